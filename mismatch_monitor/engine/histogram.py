@@ -1,0 +1,136 @@
+"""Log-spaced histograms with a relative-accuracy guarantee (DDSketch-style bins).
+
+With gamma = (1 + alpha) / (1 - alpha), bin i >= 1 holds |x| in (gamma^(k-1), gamma^k] for
+k = i + k_min - 1 and is read back as 2 gamma^k / (gamma + 1), which is within alpha (relative)
+of every value in the bin. Bin 0 holds |x| < hist_min (read as 0); the last bin holds
+|x| > hist_max (read as the exact maximum when it is known). Signed histograms store negative
+values in negative bins (bin -i mirrors bin i), so one integer column serves both.
+
+Bins are plain integer counts: histograms merge exactly by adding counts per bin.
+
+A quantile q is the nearest-rank order statistic: the k-th smallest value, k = max(1, ceil(q n)).
+Read from the histogram it is within alpha of that order statistic (values inside
+[hist_min, hist_max]), and never outside [exact min, exact max] when those are passed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import MetricConfig
+
+QUANTILES: tuple[tuple[str, float], ...] = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999))
+
+
+@dataclass(frozen=True)
+class LogBins:
+    alpha: float
+    min_value: float
+    max_value: float
+
+    @classmethod
+    def from_config(cls, config: MetricConfig) -> "LogBins":
+        return cls(config.hist_relative_accuracy, config.hist_min, config.hist_max)
+
+    @property
+    def gamma(self) -> float:
+        return (1 + self.alpha) / (1 - self.alpha)
+
+    @property
+    def log_gamma(self) -> float:
+        return math.log(self.gamma)
+
+    @property
+    def k_min(self) -> int:
+        return math.ceil(math.log(self.min_value) / self.log_gamma)
+
+    @property
+    def k_max(self) -> int:
+        return math.ceil(math.log(self.max_value) / self.log_gamma)
+
+    @property
+    def num_bins(self) -> int:
+        """Unsigned bins: zero bin, k_min..k_max, overflow bin."""
+        return self.k_max - self.k_min + 3
+
+    @property
+    def overflow_bin(self) -> int:
+        return self.num_bins - 1
+
+    def index(self, abs_x: torch.Tensor) -> torch.Tensor:
+        """Unsigned bin of each |x| (float tensor, >= 0) as int64."""
+        k = torch.ceil(torch.log(abs_x) * (1.0 / self.log_gamma))
+        # log(0) = -inf lands in the zero bin through the clamp; x < min_value too
+        i = (k - (self.k_min - 1)).clamp_(0, self.overflow_bin)
+        i = torch.where(abs_x < self.min_value, torch.zeros_like(i), i)
+        return i.to(torch.int64)
+
+    def signed_index(self, x: torch.Tensor) -> torch.Tensor:
+        i = self.index(x.abs())
+        return torch.where(x < 0, -i, i)
+
+    def representative(self, bins: np.ndarray, exact_max_abs: np.ndarray | float | None = None) -> np.ndarray:
+        """Value each (signed) bin reads as."""
+        b = np.asarray(bins, dtype=np.int64)
+        mag = np.abs(b)
+        k = mag + (self.k_min - 1)
+        rep = 2.0 * np.power(self.gamma, k.astype(np.float64)) / (self.gamma + 1.0)
+        rep = np.where(mag == 0, 0.0, rep)
+        over = np.full(b.shape, float(self.max_value)) if exact_max_abs is None else np.broadcast_to(
+            np.asarray(exact_max_abs, dtype=np.float64), b.shape)
+        rep = np.where(mag == self.overflow_bin, over, rep)
+        return np.where(b < 0, -rep, rep)
+
+    def lower_edge(self, bins: np.ndarray) -> np.ndarray:
+        """Lower edge of each unsigned bin (for plots)."""
+        b = np.asarray(bins, dtype=np.int64)
+        k = b + (self.k_min - 1)
+        edge = np.power(self.gamma, (k - 1).astype(np.float64))
+        edge = np.where(b == 0, 0.0, edge)
+        return np.where(b == self.overflow_bin, self.max_value, edge)
+
+
+def quantiles_from_counts(
+    bins: LogBins,
+    group: np.ndarray,
+    bin_index: np.ndarray,
+    counts: np.ndarray,
+    qs: tuple[float, ...],
+    exact_min: np.ndarray | None = None,
+    exact_max: np.ndarray | None = None,
+) -> np.ndarray:
+    """Quantiles per group from sparse histogram rows.
+
+    group: [R] int codes 0..G-1; bin_index, counts: [R]. exact_min / exact_max: [G] (optional)
+    clamp the estimates. Returns [G, len(qs)] float64, NaN for groups with no count.
+    """
+    group = np.asarray(group, dtype=np.int64)
+    bin_index = np.asarray(bin_index, dtype=np.int64)
+    counts = np.asarray(counts, dtype=np.int64)
+    G = int(exact_max.shape[0]) if exact_max is not None else (int(group.max()) + 1 if group.size else 0)
+    out = np.full((G, len(qs)), np.nan)
+    if group.size == 0:
+        return out
+    order = np.lexsort((bin_index, group))  # by group, then bin
+    g, b, c = group[order], bin_index[order], counts[order]
+    cum = np.cumsum(c)
+    total = np.bincount(g, weights=c, minlength=G).astype(np.int64)
+    start = np.concatenate(([0], np.cumsum(total)[:-1]))  # cumulative count before each group
+    last = None if exact_max is None else np.asarray(exact_max, dtype=np.float64)
+    for j, q in enumerate(qs):
+        rank = np.maximum(1, np.ceil(q * total - 1e-9)).astype(np.int64)  # nearest rank, 1-based
+        has = total > 0
+        pos = np.searchsorted(cum, (start + rank)[has], side="left")
+        gi = np.nonzero(has)[0]
+        over = None if last is None else np.abs(last[gi])
+        values = bins.representative(b[pos], over)
+        out[gi, j] = values
+    if exact_max is not None:
+        out = np.minimum(out, np.asarray(exact_max, dtype=np.float64)[:, None])
+    if exact_min is not None:
+        out = np.maximum(out, np.asarray(exact_min, dtype=np.float64)[:, None])
+    return out

@@ -1,0 +1,113 @@
+"""The engine's output: small per-cell tables of sufficient statistics, and their merge.
+
+``merge(stats(A), stats(B)) == stats(A | B)``: every value column merges by the rule declared in
+``fields.py`` (sum, max or min), grouped by the table's key columns. That one law is what lets
+ranks, steps and slices combine exactly, in pandas here and in SQL in the query layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import pandas as pd
+
+from ..batch import STANDARD_DIMENSIONS
+from .fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
+
+
+def key_columns(table: str, dims: Sequence[str]) -> list[str]:
+    """Key columns of a table: label dimensions, length bucket, turn bucket (token cells), extras."""
+    keys = list(dims) + [LENGTH_KEY]
+    if table in TOKEN_CELL_TABLES:
+        keys.append(TURN_KEY)
+    return keys + list(TABLES[table][0])
+
+
+@dataclass(frozen=True)
+class MismatchStats:
+    """One table per entry of ``fields.TABLES``; every table has the key columns of
+    :func:`key_columns` followed by its value fields. Only non-empty cells are present."""
+
+    tables: dict[str, pd.DataFrame]
+    dims: tuple[str, ...] = field(default=STANDARD_DIMENSIONS)
+
+    def __getitem__(self, table: str) -> pd.DataFrame:
+        return self.tables[table]
+
+    @property
+    def is_empty(self) -> bool:
+        t = self.tables["tokens"]
+        return len(t) == 0 or int(t["n_tokens"].sum()) == 0
+
+    @classmethod
+    def empty(cls, dims: Sequence[str] = STANDARD_DIMENSIONS) -> "MismatchStats":
+        return cls({name: empty_table(name, dims) for name in TABLES}, tuple(dims))
+
+    def marginal(self, by: Sequence[str]) -> "MismatchStats":
+        """Merge cells down to the columns in ``by`` (a subset of the cell keys); others vanish."""
+        return MismatchStats({name: _group(df, name, list(by)) for name, df in self.tables.items()},
+                             tuple(d for d in self.dims if d in by))
+
+
+def empty_table(table: str, dims: Sequence[str]) -> pd.DataFrame:
+    columns: dict[str, pd.Series] = {}
+    for key in key_columns(table, dims):
+        if key in dims or key == "kind":
+            columns[key] = pd.Series([], dtype="string")
+        elif key == TURN_KEY:
+            columns[key] = pd.Series([], dtype="Int64")
+        else:
+            columns[key] = pd.Series([], dtype="int64")
+    for f in TABLES[table][1]:
+        columns[f.name] = pd.Series([], dtype=f.dtype)
+    return pd.DataFrame(columns)
+
+
+def _group(df: pd.DataFrame, table: str, by: list[str]) -> pd.DataFrame:
+    rules = merge_rules(table)
+    keys = [k for k in df.columns if k not in rules]
+    group_keys = [k for k in keys if k in by or k in TABLES[table][0]]
+    if not group_keys:
+        # a grand total: one row, or none when nothing was observed
+        if len(df) == 0:
+            return df[list(rules)].iloc[0:0].reset_index(drop=True)
+        return pd.DataFrame({c: [_agg(df[c], r)] for c, r in rules.items()}).astype(
+            {f.name: f.dtype for f in TABLES[table][1]})
+    out = df.groupby(group_keys, dropna=False, sort=True).agg(rules).reset_index()
+    return out
+
+
+def _agg(series: pd.Series, rule: str):
+    if rule == "sum":
+        return series.sum()
+    return series.max() if rule == "max" else series.min()
+
+
+def merge(parts: Iterable[MismatchStats]) -> MismatchStats:
+    """Merge several stats (ranks, steps, splits of a batch) into one, exactly."""
+    parts = list(parts)
+    if not parts:
+        return MismatchStats.empty()
+    dims: list[str] = []
+    for p in parts:
+        dims += [d for d in p.dims if d not in dims]
+    tables = {}
+    for name in TABLES:
+        frames = [_with_dims(p.tables[name], name, dims) for p in parts]
+        frames = [f for f in frames if len(f)]
+        if not frames:
+            tables[name] = empty_table(name, dims)
+            continue
+        df = pd.concat(frames, ignore_index=True)
+        keys = key_columns(name, dims)
+        tables[name] = (df.groupby(keys, dropna=False, sort=True)
+                        .agg(merge_rules(name)).reset_index()[list(empty_table(name, dims).columns)])
+    return MismatchStats(tables, tuple(dims))
+
+
+def _with_dims(df: pd.DataFrame, table: str, dims: list[str]) -> pd.DataFrame:
+    missing = [d for d in dims if d not in df.columns]
+    if missing:
+        df = df.assign(**{d: pd.array([pd.NA] * len(df), dtype="string") for d in missing})
+    return df[list(empty_table(table, dims).columns)]

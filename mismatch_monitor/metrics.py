@@ -1,0 +1,201 @@
+"""The one definition of every reported metric, as a function of merged sufficient statistics.
+
+A metric is never stored: it is computed from summed columns (``fields.py``) after any merge,
+so a marginal over pools, steps or ranks means exactly what it means for one cell. The collector's
+report, the DuckDB query layer, the Prometheus exporter and the dashboard all call
+:func:`derive`; Prometheus names come from :func:`prometheus_name`.
+
+An empty slice (no valid token, no sequence) gives NaN, reported as null: never 0.0, which
+would read as "no mismatch".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Literal, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .config import MetricConfig
+from .engine.histogram import QUANTILES, LogBins, quantiles_from_counts
+
+Unit = Literal["nats", "ratio", "tokens", "sequences", "steps", "log_ratio", ""]
+Frame = pd.DataFrame
+
+
+def _div(num: pd.Series | np.ndarray, den: pd.Series | np.ndarray) -> np.ndarray:
+    num = np.asarray(num, dtype=np.float64)
+    den = np.asarray(den, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str                      # hierarchical, e.g. "mismatch/k3_kl"
+    table: Literal["tokens", "sequences", "abs_hist"]
+    unit: Unit
+    label: str                    # short human label (dashboard, CLI)
+    description: str
+    fn: Callable[[Frame], np.ndarray] | None = None  # over summed columns; None for quantiles
+
+
+def _t(key, unit, label, description, fn) -> Metric:
+    return Metric(key, "tokens", unit, label, description, fn)
+
+
+def _s(key, unit, label, description, fn) -> Metric:
+    return Metric(key, "sequences", unit, label, description, fn)
+
+
+def _std_error(t: Frame) -> np.ndarray:
+    n = np.asarray(t["n_tokens"], dtype=np.float64)
+    mean = _div(t["sum_lr"], n)
+    var = _div(np.asarray(t["sum_lr2"]) - n * mean * mean, n - 1)
+    return np.sqrt(np.maximum(var, 0.0) / np.where(n > 0, n, np.nan))
+
+
+METRICS: tuple[Metric, ...] = (
+    _t("mismatch/n_tokens", "tokens", "tokens", "valid tokens observed", lambda t: t["n_tokens"].to_numpy(np.float64)),
+    _t("mismatch/k1_kl", "nats", "k1 KL", "mean(-lr): signed estimate of KL(mu||pi); sign and trend show drift",
+       lambda t: -_div(t["sum_lr"], t["n_tokens"])),
+    _t("mismatch/k2_kl", "nats", "k2 KL", "mean(lr^2) / 2", lambda t: _div(t["sum_lr2"], 2 * t["n_tokens"])),
+    _t("mismatch/k3_kl", "nats", "k3 KL", "mean(rho - 1 - lr): low-variance, non-negative estimate of KL(mu||pi)",
+       lambda t: _div(t["sum_k3"], t["n_tokens"])),
+    _t("mismatch/log_ratio/mean", "log_ratio", "mean log ratio", "signed mean of lr = log pi - log mu (drift)",
+       lambda t: _div(t["sum_lr"], t["n_tokens"])),
+    _t("mismatch/log_ratio/std_error", "log_ratio", "std. error of mean lr",
+       "standard error of the signed mean log ratio", _std_error),
+    _t("mismatch/log_ratio/min", "log_ratio", "min log ratio", "smallest lr", lambda t: t["min_lr"].to_numpy(np.float64)),
+    _t("mismatch/log_ratio/max", "log_ratio", "max log ratio", "largest lr", lambda t: t["max_lr"].to_numpy(np.float64)),
+    _t("mismatch/abs_log_ratio/mean", "log_ratio", "mean |lr|", "mean |log pi - log mu|",
+       lambda t: _div(t["sum_abs_lr"], t["n_tokens"])),
+    _t("mismatch/abs_log_ratio/max", "log_ratio", "max |lr|", "largest |lr| (exact)",
+       lambda t: t["max_abs_lr"].to_numpy(np.float64)),
+    _t("mismatch/mult_prob_error", "ratio", "mult. prob. error", "mean exp(|lr|) >= 1 (NeMo-RL token_mult_prob_error)",
+       lambda t: _div(t["sum_exp_abs_lr"], t["n_tokens"])),
+    _t("mismatch/chi2", "ratio", "chi^2", "mean(rho^2) - 1: variance of the importance weights",
+       lambda t: _div(t["sum_rho2"], t["n_tokens"]) - 1.0),
+    _t("mismatch/ess", "ratio", "ESS", "normalised effective sample size (sum rho)^2 / (n sum rho^2)",
+       lambda t: _div(np.square(t["sum_rho"].to_numpy(np.float64)), t["n_tokens"] * t["sum_rho2"])),
+    _t("mismatch/ess_capped", "ratio", "ESS (capped)", "normalised ESS of min(rho, tis_cap)",
+       lambda t: _div(np.square(t["sum_rho_capped"].to_numpy(np.float64)), t["n_tokens"] * t["sum_rho_capped2"])),
+    _t("mismatch/clip_high_fraction", "ratio", "clipped (rho > C)", "share of tokens with rho > tis_cap",
+       lambda t: _div(t["n_clip_high"], t["n_tokens"])),
+    _t("mismatch/clip_low_fraction", "ratio", "clipped (rho <= 1/C)", "share of tokens with rho <= 1 / tis_cap",
+       lambda t: _div(t["n_clip_low"], t["n_tokens"])),
+    _t("mismatch/icepop_masked_fraction", "ratio", "IcePop masked", "share of tokens outside the IcePop band",
+       lambda t: _div(t["n_outside_icepop"], t["n_tokens"])),
+    _t("mismatch/extreme_fraction", "ratio", "extreme share", "share of tokens outside the extreme band",
+       lambda t: _div(t["n_extreme"], t["n_tokens"])),
+    _t("mismatch/routing/flip_rate", "ratio", "routing flip rate",
+       "share of (token, layer) whose top-k expert set differs", lambda t: _div(t["n_routing_flips"], t["n_routing_decisions"])),
+    _t("mismatch/routing/any_layer_flip_fraction", "ratio", "tokens with a flip",
+       "share of tokens with at least one differing layer", lambda t: _div(t["n_tokens_any_flip"], t["n_routed_tokens"])),
+    _t("mismatch/support_mismatch_fraction", "ratio", "support mismatch",
+       "share of sampled tokens outside the trainer's top-p/top-k kept set",
+       lambda t: _div(t["n_support_mismatch"], t["n_support_known"])),
+    _t("mismatch/kept_logmass/mean", "log_ratio", "mean kept log-mass", "mean log S of the sampler's truncation",
+       lambda t: _div(t["sum_kept_logmass"], t["n_kept_logmass"])),
+    _t("mismatch/data_quality/nonfinite_tokens", "tokens", "non-finite tokens",
+       "tokens set aside for a NaN or infinite log-prob", lambda t: t["n_nonfinite"].to_numpy(np.float64)),
+    _t("mismatch/data_quality/positive_logprob_tokens", "tokens", "positive log-prob tokens",
+       "tokens set aside for a log-prob above the tolerance", lambda t: t["n_positive_logprob"].to_numpy(np.float64)),
+    _s("mismatch/seq/n_sequences", "sequences", "sequences", "sequences with a valid token",
+       lambda s: s["n_sequences"].to_numpy(np.float64)),
+    _s("mismatch/seq/log_ratio/mean", "log_ratio", "mean seq log ratio", "mean over sequences of sum_t lr",
+       lambda s: _div(s["sum_seq_lr"], s["n_sequences"])),
+    _s("mismatch/seq/log_ratio/min", "log_ratio", "min seq log ratio", "smallest sum_t lr",
+       lambda s: s["min_seq_lr"].to_numpy(np.float64)),
+    _s("mismatch/seq/log_ratio/max", "log_ratio", "max seq log ratio", "largest sum_t lr",
+       lambda s: s["max_seq_lr"].to_numpy(np.float64)),
+    _s("mismatch/seq/mean_log_ratio/mean", "log_ratio", "mean geo. log ratio",
+       "mean over sequences of mean_t lr (log geometric-mean ratio)", lambda s: _div(s["sum_seq_mean_lr"], s["n_sequences"])),
+    _s("mismatch/seq/max_abs_log_ratio/mean", "log_ratio", "mean seq max |lr|", "mean over sequences of max_t |lr|",
+       lambda s: _div(s["sum_seq_max_abs_lr"], s["n_sequences"])),
+    _s("mismatch/seq/product_mask_fraction", "ratio", "product mask", "share of sequences a product-ratio mask drops",
+       lambda s: _div(s["n_drop_product"], s["n_sequences"])),
+    _s("mismatch/seq/geometric_mask_fraction", "ratio", "geometric mask",
+       "share of sequences a geometric-mean-ratio mask drops", lambda s: _div(s["n_drop_geometric"], s["n_sequences"])),
+    _s("mismatch/seq/mult_error_mask_fraction", "ratio", "seq threshold mask",
+       "share of sequences with mean exp(|lr|) above the threshold", lambda s: _div(s["n_drop_mult_error"], s["n_sequences"])),
+    _s("mismatch/seq/neg_adv_mask_fraction", "ratio", "neg.-advantage mask",
+       "share of sequences with advantages that the negative-advantage mask drops",
+       lambda s: _div(s["n_drop_neg_adv"], s["n_adv_known"])),
+    _s("mismatch/staleness/mean", "steps", "mean staleness", "mean trainer_version - policy_version",
+       lambda s: _div(s["sum_staleness"], s["n_stale_known"])),
+    _s("mismatch/staleness/max", "steps", "max staleness", "largest staleness",
+       lambda s: s["max_staleness"].to_numpy(np.float64)),
+) + tuple(
+    Metric(f"mismatch/abs_log_ratio/{name}", "abs_hist", "log_ratio", f"{name} |lr|",
+           f"{q:g} quantile of |lr| (nearest rank, within hist_relative_accuracy)")
+    for name, q in QUANTILES
+)
+
+METRIC_BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
+
+
+def prometheus_name(key: str) -> str:
+    """Metric key -> Prometheus metric name: ``mismatch/abs_log_ratio/p99`` ->
+    ``mismatch_abs_log_ratio_p99``; fractions end in ``_ratio``, KL in ``_nats``."""
+    metric = METRIC_BY_KEY.get(key)
+    name = re.sub(r"[^a-zA-Z0-9_]", "_", key.replace("/", "_"))
+    name = name.replace("_fraction", "")
+    if metric is not None and metric.unit == "ratio" and not name.endswith("_ratio"):
+        name += "_ratio"
+    if metric is not None and metric.unit == "nats":
+        name += "_nats"
+    return name
+
+
+def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None = None, *,
+           by: Sequence[str] = (), config: MetricConfig | None = None) -> pd.DataFrame:
+    """Metric values per group of ``by`` columns from *summed* tables.
+
+    ``tokens``/``sequences`` hold one row per group with the merged sufficient statistics
+    (as :meth:`MismatchStats.marginal` or the SQL layer returns them); ``abs_hist`` holds rows
+    (group keys..., bin, count). Returns one row per group of ``tokens`` with one column per key.
+    """
+    config = config or MetricConfig()
+    by = list(by)
+    out = tokens[by].copy() if by else pd.DataFrame(index=range(len(tokens)))
+    out = out.reset_index(drop=True)
+    tok = tokens.reset_index(drop=True)
+    for m in METRICS:
+        if m.table == "tokens":
+            out[m.key] = m.fn(tok) if len(tok) else np.array([], dtype=np.float64)
+    seq_metrics = [m for m in METRICS if m.table == "sequences"]
+    # sequences span turns: a turn-sliced row has no sequence-level value
+    if sequences is not None and len(out) and "turn_bucket" not in by:
+        seq = sequences.reset_index(drop=True)
+        joined = out[by].merge(seq, on=by, how="left") if by else seq.reindex(range(len(out)))
+        for m in seq_metrics:
+            out[m.key] = m.fn(joined)
+    else:
+        for m in seq_metrics:
+            out[m.key] = np.nan
+    qkeys = [f"mismatch/abs_log_ratio/{name}" for name, _ in QUANTILES]
+    if abs_hist is not None and len(out) and len(abs_hist):
+        if by:
+            codes = out[by].reset_index().merge(abs_hist, on=by, how="inner")
+            group = codes["index"].to_numpy()
+        else:
+            codes = abs_hist
+            group = np.zeros(len(abs_hist), dtype=np.int64)
+        vals = quantiles_from_counts(
+            LogBins.from_config(config), group, codes["bin"].to_numpy(), codes["count"].to_numpy(),
+            tuple(q for _, q in QUANTILES), exact_max=out["mismatch/abs_log_ratio/max"].to_numpy())
+        for j, k in enumerate(qkeys):
+            out[k] = vals[:, j]
+    else:
+        for k in qkeys:
+            out[k] = np.nan
+    return out
+
+
+def report(stats, by: Sequence[str] = (), config: MetricConfig | None = None) -> pd.DataFrame:
+    """Metrics of a :class:`MismatchStats` merged down to ``by`` (``()`` = everything)."""
+    m = stats.marginal(by)
+    return derive(m["tokens"], m["sequences"], m["abs_hist"], by=by, config=config)
