@@ -1,0 +1,1 @@
+"""The ``mismatch-monitor`` command line."""
