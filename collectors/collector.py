@@ -1,0 +1,247 @@
+"""The object a user attaches to training: batch in -> metrics -> store, exporter, alerts -> callbacks.
+
+    with MismatchCollector("runs/exp1", pools={"fp8": {"hardware": "H100", "precision": "fp8"}}) as mc:
+        for step, batch in enumerate(loader):
+            wandb.log(mc.log_step(step, trainer_logprobs=pi, sampler_logprobs=mu,
+                                  response_mask=mask, labels={"pool": pools}), step=step)
+
+By default the collector never raises into training: an error is logged once per kind (with
+the full message), counted, and recorded in the step index; ``strict=True`` raises it instead.
+Callbacks (``on_alert``, ``on_resync``) that fail are logged and never break training either.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import math
+import os
+import time
+import weakref
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import pandas as pd
+
+from ..batch import TokenBatch
+from ..config import MetricConfig
+from ..engine import MismatchStats, compute_stats
+from ..exemplars import tail_exemplars
+from ..metrics import report
+from ..store import RunWriter
+
+log = logging.getLogger("mismatch_monitor")
+
+
+class Reducer(Protocol):
+    """Combines per-rank statistics into the global view (see ``collectors/distributed.py``)."""
+
+    is_writer: bool
+
+    def __call__(self, stats: MismatchStats, exemplars: dict[str, pd.DataFrame]
+                 ) -> tuple[MismatchStats, dict[str, pd.DataFrame]]: ...
+
+
+class Evaluator(Protocol):
+    def observe(self, step: int, wall_time: float, by_pool: pd.DataFrame, *,
+                fleet: pd.DataFrame | None = None) -> list[Any]: ...
+
+
+class Exporter(Protocol):
+    def observe(self, step: int, stats: MismatchStats) -> None: ...
+
+    def count_resync(self, pool: str) -> None: ...
+
+
+def flatten_report(fleet: pd.DataFrame, by_pool: pd.DataFrame) -> dict[str, float]:
+    """``mismatch/k3_kl`` for the whole step, ``mismatch/pool=fp8/k3_kl`` per pool; nulls omitted."""
+    out: dict[str, float] = {}
+    metric_cols = [c for c in fleet.columns if c.startswith("mismatch/")]
+    if len(fleet):
+        for key in metric_cols:
+            value = float(fleet[key].iloc[0])
+            if not math.isnan(value):
+                out[key] = value
+    for _, row in by_pool.iterrows():  # one row per pool
+        pool = row["pool"]
+        prefix = f"mismatch/pool={'unknown' if pd.isna(pool) else pool}/"
+        for key in metric_cols:
+            value = float(row[key])
+            if not math.isnan(value):
+                out[prefix + key[len("mismatch/"):]] = value
+    return out
+
+
+class MismatchCollector:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        config: MetricConfig | None = None,
+        run_id: str | None = None,
+        pools: Mapping[str, Mapping[str, Any]] | None = None,
+        strict: bool = False,
+        flush_every_steps: int = 10,
+        flush_every_seconds: float = 30.0,
+        exemplars_k: int = 16,
+        alert_evaluator: Evaluator | None = None,
+        exporter: Exporter | None = None,
+        reducer: Reducer | None = None,
+        workers: int = 1,
+        metadata: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if exemplars_k < 0:
+            raise ValueError(f"expected exemplars_k >= 0, got {exemplars_k}")
+        if workers < 1:
+            raise ValueError(f"expected workers >= 1, got {workers}")
+        self.config = config or MetricConfig()
+        self.strict = strict
+        self.exemplars_k = exemplars_k
+        self.alert_evaluator = alert_evaluator
+        self.exporter = exporter
+        self.reducer = reducer
+        self.workers = workers
+        self._clock = clock
+        self._alert_callbacks: list[Callable[[Any], None]] = []
+        self._resync_callbacks: list[Callable[[Any], None]] = []
+        self._seen_errors: set[str] = set()
+        self.error_count = 0
+        self.errors_by_kind: dict[str, int] = {}
+        self.last_error: str | None = None
+        self.pools = {k: dict(v) for k, v in (pools or {}).items()}
+        self.writer: RunWriter | None = None
+        if reducer is None or reducer.is_writer:
+            self.writer = RunWriter(run_dir, config=self.config, run_id=run_id, pools=pools,
+                                    flush_every_steps=flush_every_steps,
+                                    flush_every_seconds=flush_every_seconds, clock=clock,
+                                    metadata=metadata)
+            # flush what is buffered if the process exits without close()
+            self._finalizer = weakref.finalize(self, RunWriter.close, self.writer)
+            atexit.register(self._finalizer)
+
+    # ------------------------------------------------------------------ callbacks
+    def on_alert(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Call ``fn(event)`` for every alert state change (firing or resolved)."""
+        self._alert_callbacks.append(fn)
+        return fn
+
+    def on_resync(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+        """Call ``fn(event)`` once each time a resync-recommending alert starts firing."""
+        self._resync_callbacks.append(fn)
+        return fn
+
+    # ------------------------------------------------------------------ logging a step
+    def log_step(self, step: int, batch: TokenBatch | None = None, **fields: Any) -> dict[str, float]:
+        """Compute, store and export one step; returns a flat report for ``wandb.log``."""
+        wall = self._clock()
+        try:
+            batch = self._as_batch(batch, fields)
+            stats = compute_stats(batch, self.config, workers=self.workers)
+            exemplars = tail_exemplars(batch, self.exemplars_k, self.config) if self.exemplars_k else {}
+            if self.reducer is not None:
+                stats, exemplars = self.reducer(stats, exemplars)
+            by_pool = report(stats, ["pool"], self.config)
+            fleet = report(stats, (), self.config)
+            if self.writer is not None:
+                events = self._evaluate_alerts(step, wall, by_pool, fleet)
+                self.writer.append_alerts([e.to_row() for e in events])
+                self.writer.append_step(step, stats, exemplars, wall_time=wall,
+                                        collector_errors=self.error_count)
+                if self.exporter is not None:
+                    self.exporter.observe(step, stats)
+                self._dispatch(events)
+            out = flatten_report(fleet, by_pool)
+            out["mismatch/collector_errors"] = float(self.error_count)
+            return out
+        except Exception as exc:  # never take training down unless asked to
+            if self.strict:
+                raise
+            self._record_error(step, wall, exc)
+            return {"mismatch/collector_errors": float(self.error_count)}
+
+    def _as_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
+        return self._with_pool_labels(self._build_batch(batch, fields))
+
+    def _with_pool_labels(self, batch: TokenBatch) -> TokenBatch:
+        """Fill hardware/precision/engine labels a batch lacks from the declared pool metadata."""
+        pools = batch.labels.get("pool")
+        if pools is None or not self.pools:
+            return batch
+        labels = dict(batch.labels)
+        for dim in ("hardware", "precision", "engine", "env"):
+            if dim in labels or not any(dim in meta for meta in self.pools.values()):
+                continue
+            labels[dim] = tuple(str(self.pools.get(p, {}).get(dim, "unknown")) for p in pools)
+        return dataclasses.replace(batch, labels=labels) if len(labels) != len(batch.labels) else batch
+
+    def _build_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
+        if batch is not None:
+            if fields:
+                raise TypeError(f"pass either a TokenBatch or tensor fields, not both (got {sorted(fields)})")
+            if not isinstance(batch, TokenBatch):
+                raise TypeError(f"expected a TokenBatch, got {type(batch).__name__}")
+            return batch
+        if "response_mask" in fields:
+            return TokenBatch.from_padded(**fields)
+        if "trainer_logprobs" in fields:
+            return TokenBatch.from_flat(**fields)
+        raise TypeError("log_step needs a TokenBatch or trainer_logprobs/sampler_logprobs fields")
+
+    def _evaluate_alerts(self, step: int, wall: float, by_pool: pd.DataFrame,
+                         fleet: pd.DataFrame) -> list[Any]:
+        if self.alert_evaluator is None:
+            return []
+        return list(self.alert_evaluator.observe(step, wall, by_pool, fleet=fleet))
+
+    def _dispatch(self, events: Sequence[Any]) -> None:
+        for event in events:
+            for fn in self._alert_callbacks:
+                self._call(fn, event, "on_alert")
+            if getattr(event, "resync", False) and getattr(event, "state", None) == "firing":
+                if self.exporter is not None:
+                    self._call(lambda e: self.exporter.count_resync(str(e.pool)), event, "exporter")
+                for fn in self._resync_callbacks:
+                    self._call(fn, event, "on_resync")
+
+    def _call(self, fn: Callable[[Any], None], event: Any, where: str) -> None:
+        try:
+            fn(event)
+        except Exception as exc:
+            if self.strict:
+                raise
+            self._note(f"{where} callback failed", exc)
+
+    def _record_error(self, step: int, wall: float, exc: BaseException) -> None:
+        self._note(f"step {step} was not recorded", exc)
+        if self.writer is not None and not self.writer.closed:
+            try:
+                self.writer.append_step(step, None, wall_time=wall, collector_errors=self.error_count)
+            except Exception as inner:  # the store itself failed: say so once, keep training
+                self._note("the run store failed", inner)
+
+    def _note(self, what: str, exc: BaseException) -> None:
+        kind = f"{type(exc).__name__}: {exc}"
+        self.error_count += 1
+        self.errors_by_kind[type(exc).__name__] = self.errors_by_kind.get(type(exc).__name__, 0) + 1
+        self.last_error = f"{what}: {kind}"
+        if kind not in self._seen_errors:
+            self._seen_errors.add(kind)
+            log.error("mismatch-monitor: %s: %s (logged once; %d error(s) so far; pass strict=True "
+                      "to raise)", what, kind, self.error_count)
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            atexit.unregister(self._finalizer)
+
+    def __enter__(self) -> "MismatchCollector":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

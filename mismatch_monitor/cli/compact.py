@@ -1,0 +1,20 @@
+"""``mismatch-monitor compact RUN_DIR``."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..store import compact_run, read_run_info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run directory (holds run.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    read_run_info(args.run_dir)  # a clear error for a directory that is not a run
+    removed = compact_run(args.run_dir)
+    total = sum(removed.values())
+    print(f"compacted {args.run_dir}: {total} file(s) merged"
+          + ("" if total else " (nothing to do)"))
+    return 0

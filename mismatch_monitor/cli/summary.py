@@ -1,0 +1,86 @@
+"""``mismatch-monitor summary RUN_DIR``: the latest step per pool and the worst slices."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Sequence
+
+import pandas as pd
+
+from .. import query
+from ..store import read_run_info, run_status
+
+# (metric key, column title, format)
+POOL_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("mismatch/n_tokens", "tokens", "{:.0f}"),
+    ("mismatch/k3_kl", "k3 KL", "{:.3g}"),
+    ("mismatch/abs_log_ratio/p99", "p99 |lr|", "{:.3g}"),
+    ("mismatch/abs_log_ratio/max", "max |lr|", "{:.3g}"),
+    ("mismatch/ess", "ESS", "{:.4f}"),
+    ("mismatch/clip_high_fraction", "rho>C", "{:.2%}"),
+    ("mismatch/icepop_masked_fraction", "IcePop", "{:.2%}"),
+    ("mismatch/extreme_fraction", "extreme", "{:.2%}"),
+    ("mismatch/routing/flip_rate", "flips", "{:.2%}"),
+)
+SLICE_KEYS = ("pool", "length_bucket", "turn_bucket")
+
+
+def _fmt(value: object, pattern: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
+        return "-"
+    return pattern.format(value)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run directory (holds run.json)")
+    parser.add_argument("--worst", type=int, default=5, help="how many worst slices to list")
+
+
+def run(args: argparse.Namespace) -> int:
+    info = read_run_info(args.run_dir)
+    con = query.connect()
+    idx = query.steps_index(con, args.run_dir)
+    observed = idx[idx["n_tokens"] > 0]
+    last_wall = float(idx["wall_time"].max()) if len(idx) else None
+    status = run_status(info, last_wall)
+    print(f"run {info['run_id']} ({status}): {len(idx)} step(s) logged, "
+          f"{int(idx['collector_errors'].max()) if len(idx) else 0} collector error(s)")
+    if observed.empty:
+        print("no observations yet: every metric is null")
+        return 0
+    step = int(observed["step"].max())
+    by_pool = query.latest(con, args.run_dir, ["pool"])
+    print(f"\nlatest step {step}, per pool:")
+    rows = []
+    for _, r in by_pool.iterrows():
+        meta = info.get("pools", {}).get(r["pool"], {}) if not pd.isna(r["pool"]) else {}
+        name = str(r["pool"]) if not pd.isna(r["pool"]) else "(no pool)"
+        hw = "/".join(str(meta[k]) for k in ("hardware", "precision") if k in meta)
+        rows.append([name + (f" [{hw}]" if hw else "")] + [_fmt(r[k], f) for k, _, f in POOL_COLUMNS])
+    print(format_table(["pool"] + [t for _, t, _ in POOL_COLUMNS], rows))
+
+    slices = query.latest(con, args.run_dir, list(SLICE_KEYS))
+    slices = slices[slices["mismatch/n_tokens"] > 0].sort_values(
+        "mismatch/abs_log_ratio/p99", ascending=False).head(args.worst)
+    print(f"\nworst slices at step {step} (by p99 |lr|):")
+    rows = [[f"pool={r['pool']} len>={r['length_bucket']} turn>={_fmt(r['turn_bucket'], '{}')}"]
+            + [_fmt(r[k], f) for k, _, f in POOL_COLUMNS[:5]] for _, r in slices.iterrows()]
+    print(format_table(["slice"] + [t for _, t, _ in POOL_COLUMNS[:5]], rows))
+
+    alerts = query.rows(con, args.run_dir, "alerts")
+    if len(alerts):
+        latest_state = alerts.sort_values("step").groupby(["alert", "pool"], dropna=False).tail(1)
+        firing = latest_state[latest_state["state"] == "firing"]
+        print(f"\nalerts firing: {len(firing)}")
+        for _, a in firing.iterrows():
+            print(f"  [{a['severity']}] {a['alert']} pool={a['pool']} since step {a['step']}: {a['summary']}")
+    return 0

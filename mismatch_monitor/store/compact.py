@@ -1,0 +1,59 @@
+"""Compaction: merge a run's many small files into one file per table, safely.
+
+Rows keep their ``write_id`` (so a later re-log of a step still wins) and get a new ``file_id``.
+Order of operations, each step safe for a concurrent reader:
+1. write the compacted data files (invisible: no index row points at their file_id yet);
+2. write the compacted ``steps`` index (the steps now resolve to the compacted copy, whose rows
+   are identical to the originals: a reader sees each step once, from either copy);
+3. delete the old index files, then the old data files (a reader whose file list went stale
+   retries, see ``query._retry``).
+Only files of flushes committed when compaction started are touched (a file's name carries its
+file_id), so a live writer can keep appending; orphans of a crashed flush are left in place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .atomic import write_parquet_atomic
+from .schema import DATA_TABLES, STEPS_TABLE, file_name, to_arrow
+from .writer import IdSource
+
+
+def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, int]:
+    """Compact ``run_dir``; returns the number of files removed per table."""
+    from .. import query  # the SQL lives in the query layer
+
+    run_dir = Path(run_dir)
+    step_files = query.table_files(run_dir, STEPS_TABLE)
+    # only files of committed flushes: a flush in progress has data files but no index yet,
+    # and its files must survive (its index will point at them)
+    committed = {Path(f).name for f in step_files}
+    snapshot = {t: [f for f in query.table_files(run_dir, t) if Path(f).name in committed]
+                for t in DATA_TABLES}
+    if len(step_files) <= 1 and all(len(f) <= 1 for f in snapshot.values()):
+        return {t: 0 for t in (*DATA_TABLES, STEPS_TABLE)}
+    file_id = (ids or IdSource()).next()
+    con = query.connect()
+    written: list[Path] = []
+    for table, files in snapshot.items():
+        if not files:
+            continue
+        df = query.copy_current(con, run_dir, table, files, step_files)
+        if len(df):
+            path = run_dir / table / file_name(file_id)
+            write_parquet_atomic(to_arrow(df.assign(file_id=file_id), table), path)
+            written.append(path)
+    steps = query.copy_current(con, run_dir, STEPS_TABLE, step_files, step_files)
+    write_parquet_atomic(to_arrow(steps.assign(file_id=file_id), STEPS_TABLE),
+                         run_dir / STEPS_TABLE / file_name(file_id))
+    removed = {STEPS_TABLE: 0}
+    for f in step_files:
+        Path(f).unlink(missing_ok=True)
+        removed[STEPS_TABLE] += 1
+    for table, files in snapshot.items():
+        removed[table] = 0
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+            removed[table] += 1
+    return removed

@@ -1,0 +1,45 @@
+"""The run directory's layout and the Parquet schema stamp (documented in docs/SCHEMA.md).
+
+    RUN_DIR/run.json                 run id, start time, metric config, per-pool metadata
+    RUN_DIR/<table>/<file>.parquet   one file per flush (or compaction) and table
+
+Every row carries ``step``, ``write_id`` (the flush that logged the step: later flushes win)
+and ``file_id`` (the file set it was written in; a compaction copies rows under a new file_id).
+The ``steps`` table is the index: a step exists for readers once a ``steps`` file lists it,
+which a flush writes last.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pyarrow as pa
+
+from ..engine.fields import TABLES
+
+SCHEMA_VERSION = 1
+SCHEMA_KEY = b"mismatch_monitor.schema_version"
+TABLE_KEY = b"mismatch_monitor.table"
+
+STAT_TABLES: tuple[str, ...] = tuple(TABLES)
+EXEMPLAR_TABLE_NAMES: tuple[str, ...] = ("exemplar_tokens", "exemplar_sequences")
+ALERTS_TABLE = "alerts"
+STEPS_TABLE = "steps"
+# data tables, in write order; the steps index is written after all of them
+DATA_TABLES: tuple[str, ...] = STAT_TABLES + EXEMPLAR_TABLE_NAMES + (ALERTS_TABLE,)
+ALL_TABLES: tuple[str, ...] = DATA_TABLES + (STEPS_TABLE,)
+
+STEP_COLUMNS = ("step", "write_id", "file_id")
+
+
+def to_arrow(df: pd.DataFrame, table: str) -> pa.Table:
+    """A pandas frame as an Arrow table stamped with the schema version in the footer."""
+    arrow = pa.Table.from_pandas(df, preserve_index=False)
+    meta = dict(arrow.schema.metadata or {})
+    meta.pop(b"pandas", None)  # the stamp, not pandas' index bookkeeping, describes our files
+    meta[SCHEMA_KEY] = str(SCHEMA_VERSION).encode()
+    meta[TABLE_KEY] = table.encode()
+    return arrow.replace_schema_metadata(meta)
+
+
+def file_name(file_id: int) -> str:
+    return f"part-{file_id:020d}.parquet"

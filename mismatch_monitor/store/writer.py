@@ -1,0 +1,191 @@
+"""The run writer: buffered, atomic, append-only Parquet files for one run.
+
+Steps are buffered and flushed every ``flush_every_steps`` steps or ``flush_every_seconds``
+seconds (checked when a step arrives) and on close. A flush writes one file per data table and
+then the ``steps`` index file: a step is visible to readers only once the index lists it, so a
+crash mid-flush leaves orphan data files that readers ignore, and never a half-visible step.
+Reopening a run directory appends; a step logged again later wins (higher ``write_id``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import pandas as pd
+
+from ..config import MetricConfig
+from ..engine.stats import MismatchStats
+from .atomic import write_json_atomic, write_parquet_atomic
+from .runinfo import RUN_FILE, read_run_info
+from .schema import DATA_TABLES, SCHEMA_VERSION, STEPS_TABLE, file_name, to_arrow
+
+
+class IdSource:
+    """Strictly increasing ids from a nanosecond clock (later flushes win, also across restarts)."""
+
+    def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self._clock_ns = clock_ns
+        self._last = 0
+        self._lock = threading.Lock()
+
+    def next(self) -> int:
+        with self._lock:
+            self._last = max(self._last + 1, self._clock_ns())
+            return self._last
+
+
+class RunWriter:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        config: MetricConfig | None = None,
+        run_id: str | None = None,
+        pools: Mapping[str, Mapping[str, Any]] | None = None,
+        flush_every_steps: int = 10,
+        flush_every_seconds: float = 30.0,
+        clock: Callable[[], float] = time.time,
+        ids: IdSource | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        if flush_every_steps < 1:
+            raise ValueError(f"expected flush_every_steps >= 1, got {flush_every_steps}")
+        if not flush_every_seconds > 0:
+            raise ValueError(f"expected flush_every_seconds > 0, got {flush_every_seconds}")
+        self.run_dir = Path(run_dir)
+        self.config = config or MetricConfig()
+        self._clock = clock
+        self._ids = ids or IdSource()
+        self._flush_every_steps = flush_every_steps
+        self._flush_every_seconds = flush_every_seconds
+        self._buffer: dict[str, list[pd.DataFrame]] = {t: [] for t in DATA_TABLES}
+        self._steps: list[dict[str, Any]] = []
+        self._last_flush = clock()
+        self._lock = threading.RLock()
+        self._closed = False
+        self.info = self._open_run_info(run_id, pools or {}, metadata or {})
+
+    # ------------------------------------------------------------------ run.json
+    def _open_run_info(self, run_id: str | None, pools: Mapping[str, Mapping[str, Any]],
+                       metadata: Mapping[str, Any]) -> dict[str, Any]:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        now = self._clock()
+        existing = read_run_info(self.run_dir) if (self.run_dir / RUN_FILE).exists() else None
+        if existing is not None:
+            if run_id is not None and run_id != existing["run_id"]:
+                raise ValueError(
+                    f"run directory {self.run_dir} holds run {existing['run_id']!r}, got run_id={run_id!r}")
+            info = dict(existing)
+            info["restarts"] = list(info.get("restarts", [])) + [now]
+            info["closed_at"] = None
+            info["pools"] = {**info.get("pools", {}), **{k: dict(v) for k, v in pools.items()}}
+            info["metadata"] = {**info.get("metadata", {}), **dict(metadata)}
+            if info.get("config") != self.config.to_dict():
+                info.setdefault("config_history", []).append({"at": now, "config": info.get("config")})
+                info["config"] = self.config.to_dict()
+        else:
+            info = {
+                "schema_version": SCHEMA_VERSION,
+                "run_id": run_id or self.run_dir.name,
+                "started_at": now,
+                "closed_at": None,
+                "restarts": [],
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "config": self.config.to_dict(),
+                "pools": {k: dict(v) for k, v in pools.items()},
+                "metadata": dict(metadata),
+            }
+        write_json_atomic(info, self.run_dir / RUN_FILE)
+        return info
+
+    def update_pools(self, pools: Mapping[str, Mapping[str, Any]]) -> None:
+        with self._lock:
+            self.info["pools"] = {**self.info["pools"], **{k: dict(v) for k, v in pools.items()}}
+            write_json_atomic(self.info, self.run_dir / RUN_FILE)
+
+    # ------------------------------------------------------------------ appending
+    def append_step(self, step: int, stats: MismatchStats | None,
+                    exemplars: Mapping[str, pd.DataFrame] | None = None,
+                    *, wall_time: float | None = None, collector_errors: int = 0) -> None:
+        """Buffer one step's statistics (``stats=None`` records a step with no observation)."""
+        if self._closed:
+            raise RuntimeError(f"run writer for {self.run_dir} is closed")
+        step = int(step)
+        wall = self._clock() if wall_time is None else float(wall_time)
+        with self._lock:
+            if stats is not None:
+                for table, df in stats.tables.items():
+                    if len(df):
+                        self._buffer[table].append(df.assign(step=step))
+            for table, df in (exemplars or {}).items():
+                if len(df):
+                    self._buffer[table].append(df.assign(step=step))
+            tokens = stats.tables["tokens"] if stats is not None else None
+            seqs = stats.tables["sequences"] if stats is not None else None
+            self._steps.append({
+                "step": step,
+                "wall_time": wall,
+                "n_tokens": int(tokens["n_tokens"].sum()) if tokens is not None else 0,
+                "n_sequences": int(seqs["n_sequences"].sum()) if seqs is not None else 0,
+                "n_cells": len(tokens) if tokens is not None else 0,
+                "collector_errors": int(collector_errors),
+            })
+            if self._due():
+                self.flush()
+
+    def append_alerts(self, rows: list[Mapping[str, Any]]) -> None:
+        if rows:
+            with self._lock:
+                self._buffer["alerts"].append(pd.DataFrame([dict(r) for r in rows]))
+
+    def _due(self) -> bool:
+        return (len(self._steps) >= self._flush_every_steps
+                or self._clock() - self._last_flush >= self._flush_every_seconds)
+
+    @property
+    def pending_steps(self) -> int:
+        return len(self._steps)
+
+    # ------------------------------------------------------------------ flushing
+    def flush(self) -> int:
+        """Write buffered steps; returns how many steps became visible."""
+        with self._lock:
+            self._last_flush = self._clock()
+            if not self._steps:
+                return 0
+            write_id = self._ids.next()
+            for table in DATA_TABLES:
+                frames = self._buffer[table]
+                if not frames:
+                    continue
+                df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+                self._write(table, df, write_id)
+                self._buffer[table] = []
+            steps = pd.DataFrame(self._steps)
+            self._write(STEPS_TABLE, steps, write_id)   # last: makes the steps visible
+            n = len(self._steps)
+            self._steps = []
+            return n
+
+    def _write(self, table: str, df: pd.DataFrame, write_id: int) -> None:
+        df = df.assign(write_id=write_id, file_id=write_id)
+        write_parquet_atomic(to_arrow(df, table), self.run_dir / table / file_name(write_id))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self.flush()
+            self.info["closed_at"] = self._clock()
+            write_json_atomic(self.info, self.run_dir / RUN_FILE)
+            self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
