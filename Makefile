@@ -1,0 +1,38 @@
+# Two commands a newcomer needs: `make demo` (the main job) and `make test` (the whole suite).
+# Both set up .venv first: the pinned CPU build of torch, then the project with its extras.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test sample-data dashboard bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --quiet -e ".[test,trl]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/mismatch-monitor demo $(DEMO_ARGS)
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+sample-data: install
+	$(VENV)/bin/mismatch-monitor sample-data
+
+dashboard: install
+	$(VENV)/bin/mismatch-monitor dashboard sample_data
+
+bench: install
+	$(PY) benchmarks/bench_engine.py --sizes 100000 1000000
+	$(PY) benchmarks/bench_collector.py
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache
