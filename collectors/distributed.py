@@ -1,0 +1,94 @@
+"""Multi-rank training: one exact global view, written by one rank.
+
+Each rank computes the sufficient statistics of its own share of the step (whole sequences:
+a rank never holds part of a sequence), and :class:`DistributedReducer` gathers them to the
+writer rank, which merges them with :func:`mismatch_monitor.engine.merge`: counts, sums and
+histogram bins add, minima and maxima take the min and max. Only the writer rank creates the
+run store; give it the Prometheus exporter as well (``reducer.is_writer``).
+
+    dist.init_process_group("nccl")                      # or gloo
+    reducer = DistributedReducer(exemplars_k=16)
+    collector = MismatchCollector(run_dir, reducer=reducer, exemplars_k=16,
+                                  exporter=exporter if reducer.is_writer else None)
+
+Exactness: integer columns (token and sequence counts, histogram bins, flip counts), minima and
+maxima of the merged view equal those of one process on the concatenated data exactly; float64
+sums equal them up to summation order, a relative difference of at most about
+``(ranks + 1) * 2**-53`` times the sum of absolute values. Quantiles read from the merged
+histograms are therefore exact reproductions of the single-process ones.
+
+Exemplars are the global top K (largest |lr| tokens, largest max |lr| sequences). Their
+``seq_index`` is the sequence's index within its own rank's batch.
+
+The statistics travel as pickled objects (``gather_object``): a step's tables are small (one
+row per non-empty slice cell), so this costs one small collective per step; see
+``benchmarks/bench_distributed.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import torch.distributed as dist
+
+from mismatch_monitor.engine import MismatchStats, merge
+from mismatch_monitor.exemplars import merge_exemplars
+
+Exemplars = dict[str, pd.DataFrame]
+
+
+class DistributedReducer:
+    """Reduces per-rank statistics to the writer rank (``dst``), exactly.
+
+    Args:
+        group: the process group of the ranks that share a step (default: the world).
+        dst: global rank that merges and writes (default 0).
+        exemplars_k: how many exemplars of each kind to keep; use the collector's ``exemplars_k``.
+        all_ranks: give every rank the global view (an all-gather) instead of the writer only.
+            Without it, other ranks get their own statistics back, so their ``log_step`` report
+            describes their share of the step.
+    """
+
+    def __init__(self, *, group: Any = None, dst: int = 0, exemplars_k: int = 16,
+                 all_ranks: bool = False) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "expected torch.distributed to be initialised (dist.init_process_group) before "
+                "building a DistributedReducer, got an uninitialised default process group")
+        if exemplars_k < 0:
+            raise ValueError(f"expected exemplars_k >= 0, got {exemplars_k}")
+        world = dist.get_world_size(group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+        if dst not in ranks:
+            raise ValueError(f"expected dst to be a rank of the group {ranks}, got {dst}")
+        self.group = group
+        self.dst = dst
+        self.exemplars_k = exemplars_k
+        self.all_ranks = all_ranks
+        self.rank = dist.get_rank()
+        self.world_size = world
+
+    @property
+    def is_writer(self) -> bool:
+        """True on the one rank that merges, writes the run store and should serve /metrics."""
+        return self.rank == self.dst
+
+    def __call__(self, stats: MismatchStats, exemplars: Exemplars) -> tuple[MismatchStats, Exemplars]:
+        payload = (stats.tables, tuple(stats.dims), exemplars)
+        if self.all_ranks:
+            parts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(parts, payload, group=self.group)
+        else:
+            parts = [None] * self.world_size if self.is_writer else None
+            dist.gather_object(payload, parts, dst=self.dst, group=self.group)
+            if not self.is_writer:
+                return stats, exemplars
+        return merge_parts(parts, self.exemplars_k)
+
+
+def merge_parts(parts: list[tuple[dict[str, pd.DataFrame], tuple[str, ...], Exemplars]],
+                exemplars_k: int) -> tuple[MismatchStats, Exemplars]:
+    """Merge gathered ``(tables, dims, exemplars)`` payloads: statistics exactly, exemplars top K."""
+    stats = merge(MismatchStats(tables, dims) for tables, dims, _ in parts)
+    return stats, merge_exemplars([ex for _, _, ex in parts], exemplars_k)
