@@ -239,3 +239,204 @@ def copy_current(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, fi
 
 def token_cell_table(table: str) -> bool:
     return table in TOKEN_CELL_TABLES
+
+
+# ---- dashboard views ----
+import math  # noqa: E402  (this section's own imports, kept with it)
+
+import numpy as np  # noqa: E402
+# What the dashboard reads beyond the readers above. Long runs are shown as step bins: a bin of
+# `width` consecutive steps merges their sufficient statistics exactly (sum/max/min), so a binned
+# value is the value of the merged steps, never a mean of per-step values.
+
+ALERT_COLUMNS: tuple[str, ...] = ("step", "wall_time", "alert", "severity", "pool", "state", "value",
+                                  "threshold", "summary", "runbook", "resync", "metric")
+
+
+def step_width(first: int, last: int, max_points: int) -> int:
+    """Steps per bin so that [first, last] fits in at most ``max_points`` bins (>= 1)."""
+    if max_points < 1:
+        raise ValueError(f"expected max_points >= 1, got {max_points}")
+    span = max(0, int(last) - int(first) + 1)
+    return max(1, -(-span // max_points))
+
+
+def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, by: Sequence[str] = (),
+                     *, first: int, width: int, steps: StepRange = None,
+                     where: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """Like :func:`aggregate` per step, with steps merged into bins of ``width`` starting at ``first``.
+
+    Columns: step (first step of the bin), step_last (last visible step in it), wall_time (of
+    step_last), *by, the table's extra keys, the merged fields. ``width=1`` is per step.
+    """
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}; expected one of {sorted(TABLES)}")
+    if int(width) < 1:
+        raise ValueError(f"expected width >= 1, got {width}")
+    by = list(by)
+    extra = list(TABLES[table][0])
+    rules = merge_rules(table)
+    out_cols = ["step", "step_last", "wall_time"] + by + extra + list(rules)
+    files = table_files(run_dir, table)
+    if not files or not table_files(run_dir, STEPS_TABLE):
+        return pd.DataFrame({c: [] for c in out_cols})
+    available = _columns(con, files)
+    _check_keys(by + list((where or {}).keys()), available, table)
+    params: dict[str, Any] = {"first": int(first), "width": int(width)}
+    clauses = ["t.step >= $first"] + _step_filter(steps, params)
+    for i, (col, value) in enumerate((where or {}).items()):
+        if value is None:
+            clauses.append(f't."{col}" IS NULL')
+        else:
+            clauses.append(f't."{col}" = $w{i}')
+            params[f"w{i}"] = str(value)
+    keys = [f't."{c}"' for c in by + extra]
+    aggs = [f'{rule}(t."{col}") AS "{col}"' if col in available else f'NULL AS "{col}"'
+            for col, rule in rules.items()]
+    select = (["$first + (t.step - $first) // $width * $width AS step", "max(t.step) AS step_last",
+               "arg_max(idx.wall_time, t.step) AS wall_time"] + keys + aggs)
+    order = ", ".join(["1"] + keys)
+    sql = (f"WITH {_index_cte()} SELECT {', '.join(select)} "
+           f"FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
+           f"WHERE {' AND '.join(clauses)} GROUP BY ALL ORDER BY {order}")
+
+    def run() -> pd.DataFrame:
+        p = dict(params, files=table_files(run_dir, table), steps=table_files(run_dir, STEPS_TABLE))
+        return con.execute(sql, p).df()
+
+    return _retry(run)[out_cols]
+
+
+def metric_series_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
+                         first: int, width: int, metrics: Sequence[str] | None = None,
+                         steps: StepRange = None, where: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """:func:`metric_series` over step bins: columns step, step_last, wall_time, *by, metric keys."""
+    by = list(by)
+    wanted = list(metrics) if metrics is not None else list(METRIC_BY_KEY)
+    unknown = [m for m in wanted if m not in METRIC_BY_KEY]
+    if unknown:
+        raise ValueError(f"unknown metrics {unknown}; expected keys of mismatch_monitor.metrics.METRICS")
+    tables = {METRIC_BY_KEY[m].table for m in wanted}
+    kw: dict[str, Any] = dict(first=first, width=width, steps=steps, where=where)
+    tokens = aggregate_binned(con, run_dir, "tokens", by, **kw)
+    seq = hist = None
+    if "sequences" in tables and TURN_KEY not in by:
+        seq = aggregate_binned(con, run_dir, "sequences", by, **kw).drop(columns=["step_last", "wall_time"])
+    if "abs_hist" in tables:
+        hist = aggregate_binned(con, run_dir, "abs_hist", by, **kw).drop(columns=["step_last", "wall_time"])
+    out = derive(tokens, seq, hist, by=["step"] + by, config=run_config(run_dir))
+    out.insert(1, "step_last", tokens["step_last"].to_numpy())
+    out.insert(2, "wall_time", tokens["wall_time"].to_numpy())
+    return out[["step", "step_last", "wall_time"] + by + [m for m in METRIC_BY_KEY if m in set(wanted)]]
+
+
+def _ratio(num: pd.Series, den: pd.Series) -> np.ndarray:
+    num_a = np.asarray(num, dtype=np.float64)
+    den_a = np.asarray(den, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(den_a > 0, num_a / np.where(den_a > 0, den_a, 1.0), np.nan)
+
+
+def pool_shares(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: StepRange = None) -> pd.DataFrame:
+    """Per pool over ``steps``: its share of sequences, of tokens and of extreme-ratio tokens.
+
+    ``tail_to_sample`` = extreme_share / sample_share: above 1, a pool holds more of the tail
+    than of the samples. Shares of an empty total are null.
+    """
+    tok = aggregate(con, run_dir, "tokens", ["pool"], steps=steps, per_step=False)
+    seq = aggregate(con, run_dir, "sequences", ["pool"], steps=steps, per_step=False)
+    out = tok[["pool", "n_tokens", "n_extreme"]].merge(seq[["pool", "n_sequences"]], on="pool", how="outer")
+    for col in ("n_tokens", "n_extreme", "n_sequences"):
+        out[col] = out[col].astype("float64").fillna(0.0)
+    out["sample_share"] = _ratio(out["n_sequences"], pd.Series(out["n_sequences"].sum(), index=out.index))
+    out["token_share"] = _ratio(out["n_tokens"], pd.Series(out["n_tokens"].sum(), index=out.index))
+    out["extreme_share"] = _ratio(out["n_extreme"], pd.Series(out["n_extreme"].sum(), index=out.index))
+    out["tail_to_sample"] = _ratio(out["extreme_share"].fillna(-1.0), out["sample_share"])
+    out.loc[out["extreme_share"].isna(), "tail_to_sample"] = np.nan
+    return out.sort_values("pool", na_position="last").reset_index(drop=True)
+
+
+def lowprob_series(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
+                   first: int, width: int, steps: StepRange = None,
+                   where: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """Per step bin and sampler-probability bucket: n_tokens, mean_abs_lr and k3 (null if empty)."""
+    df = aggregate_binned(con, run_dir, "lowprob", by, first=first, width=width, steps=steps, where=where)
+    df["mean_abs_lr"] = _ratio(df["sum_abs_lr"], df["n_tokens"])
+    df["k3_kl"] = _ratio(df["sum_k3"], df["n_tokens"])
+    return df
+
+
+def routing_layer_series(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
+                         first: int, width: int, steps: StepRange = None,
+                         where: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """Per step bin and MoE layer: flip_rate = tokens whose expert set differs at the layer /
+    tokens with expert ids (null where no token carried expert ids)."""
+    kw: dict[str, Any] = dict(first=first, width=width, steps=steps, where=where)
+    layers = aggregate_binned(con, run_dir, "routing_layers", by, **kw)
+    routed = aggregate_binned(con, run_dir, "tokens", by, **kw)[["step"] + list(by) + ["n_routed_tokens"]]
+    df = layers.merge(routed, on=["step"] + list(by), how="left")
+    df["flip_rate"] = _ratio(df["n_flips"], df["n_routed_tokens"])
+    return df
+
+
+def crossing_length(mean_abs_lr: np.ndarray | pd.Series, cap: float) -> np.ndarray:
+    """T* = ln C / mean|lr|: the response length at which a product of per-token ratios of typical
+    size exp(mean|lr|) reaches the cap C. Null without observation, inf when mean|lr| = 0."""
+    m = np.asarray(mean_abs_lr, dtype=np.float64)
+    with np.errstate(divide="ignore"):
+        return np.where(np.isnan(m), np.nan, np.where(m > 0, math.log(cap) / np.where(m > 0, m, 1.0), np.inf))
+
+
+def alert_events(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: StepRange = None) -> pd.DataFrame:
+    """Alert state changes (firing/resolved) of a run in step order, with every column of
+    :data:`ALERT_COLUMNS` (null where the writer did not record it); empty when none."""
+    df = rows(con, run_dir, "alerts", steps=steps)
+    if not len(df):
+        return pd.DataFrame({c: pd.Series([], dtype="float64" if c in ("wall_time", "value", "threshold")
+                                          else "int64" if c == "step" else "object") for c in ALERT_COLUMNS})
+    if "wall_time" not in df.columns and "step_wall_time" in df.columns:
+        df["wall_time"] = df["step_wall_time"]
+    for col in ALERT_COLUMNS:
+        if col not in df.columns:
+            df[col] = pd.NA
+    return df.sort_values(["step", "wall_time"], kind="stable").reset_index(drop=True)
+
+
+def firing_alerts(events: pd.DataFrame) -> pd.DataFrame:
+    """The alerts whose latest event (per alert and pool) is a firing."""
+    if not len(events):
+        return events.copy()
+    last = events.sort_values("step", kind="stable").groupby(["alert", "pool"], dropna=False).tail(1)
+    return last[last["state"] == "firing"].reset_index(drop=True)
+
+
+def exemplar_steps(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame:
+    """Visible steps that hold token exemplars, with their largest |lr| (step, max_abs_log_ratio)."""
+    files = table_files(run_dir, "exemplar_tokens")
+    if not files or not table_files(run_dir, STEPS_TABLE):
+        return pd.DataFrame({"step": pd.Series([], dtype="int64"), "max_abs_log_ratio": pd.Series([], dtype="float64")})
+    sql = (f"WITH {_index_cte()} SELECT t.step, max(t.abs_log_ratio) AS max_abs_log_ratio "
+           "FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
+           "GROUP BY t.step ORDER BY t.step")
+    return _retry(lambda: con.execute(sql, {"files": table_files(run_dir, "exemplar_tokens"),
+                                             "steps": table_files(run_dir, STEPS_TABLE)}).df())
+
+
+def compare_runs(con: duckdb.DuckDBPyConnection, run_a: RunDir, run_b: RunDir, by: Sequence[str] = (), *,
+                 metrics: Sequence[str], steps_a: StepRange = None, steps_b: StepRange = None) -> pd.DataFrame:
+    """Metrics of two runs per slice, each merged over its step range: one row per (slice, metric)
+    with columns *by, metric, a, b, diff (b - a) and rel (b / a - 1, null when a is 0 or null)."""
+    by = list(by)
+    a = metric_series(con, run_a, by, metrics=metrics, steps=steps_a, per_step=False)
+    b = metric_series(con, run_b, by, metrics=metrics, steps=steps_b, per_step=False)
+    long_a = a.melt(id_vars=by, value_vars=list(metrics), var_name="metric", value_name="a")
+    long_b = b.melt(id_vars=by, value_vars=list(metrics), var_name="metric", value_name="b")
+    out = long_a.merge(long_b, on=by + ["metric"], how="outer")
+    out["a"] = out["a"].astype("float64")
+    out["b"] = out["b"].astype("float64")
+    out["diff"] = out["b"] - out["a"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["rel"] = np.where(out["a"].abs() > 0, out["b"] / out["a"].where(out["a"].abs() > 0) - 1.0, np.nan)
+    order = {m: i for i, m in enumerate(metrics)}
+    out["_order"] = out["metric"].map(order)
+    return out.sort_values(by + ["_order"], na_position="last").drop(columns="_order").reset_index(drop=True)
