@@ -1,0 +1,88 @@
+"""Renders docs/SCHEMA.md from the one definition of the columns (``engine/fields.py``).
+
+    python -m mismatch_monitor.store.schema_doc > docs/SCHEMA.md
+
+A test fails when the committed file is stale.
+"""
+
+from __future__ import annotations
+
+from ..batch import STANDARD_DIMENSIONS
+from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY
+from ..exemplars import empty_exemplars
+from .schema import SCHEMA_KEY, SCHEMA_VERSION
+
+INTRO = f"""# Run directory schema (version {SCHEMA_VERSION})
+
+Generated from `mismatch_monitor/engine/fields.py` by
+`python -m mismatch_monitor.store.schema_doc`; do not edit by hand.
+
+```
+RUN_DIR/
+  run.json                    run id, start time, metric config, per-pool metadata, restarts
+  steps/part-<file_id>.parquet      the step index (written last by every flush)
+  <table>/part-<file_id>.parquet    one file per flush (or compaction) per table
+```
+
+Every Parquet file carries the key `{SCHEMA_KEY.decode()}` = `{SCHEMA_VERSION}` in its footer
+metadata, and every row the columns `step`, `write_id` (the flush that logged the step) and
+`file_id` (the file set holding the row). A reader takes, for each step, the `steps` row with the
+highest `write_id` (then `file_id`) and only the data rows with that step and `file_id`: a step
+logged again after a restart wins, a compaction's copy is read once, and data files of a flush
+that died before writing its index are ignored. Files are written under a temporary name that
+does not match `*.parquet`, fsynced and renamed into place.
+
+## Cell keys
+
+Statistics are stored at the finest grain: one row per non-empty cell. Every marginal (by pool,
+by pool x length, all) is a merge of cells: `sum` for counts and sums, `max`/`min` for extremes.
+
+| column | meaning |
+|---|---|
+""" + "".join(f"| `{d}` | sequence label (string; null when the batch did not give it) |\n"
+              for d in STANDARD_DIMENSIONS) + f"""| *other labels* | any further label dimension a batch gave (string) |
+| `{LENGTH_KEY}` | response-length bucket, as its lower edge in tokens (`MetricConfig.length_edges`) |
+| `{TURN_KEY}` | turn bucket, as its lower edge (`MetricConfig.turn_edges`); token tables only, null without turn indices |
+
+`lr = log pi - log mu` (trainer minus sampler log-prob of the sampled token), `rho = exp(lr)`.
+"""
+
+
+def render() -> str:
+    parts = [INTRO]
+    for table, (extra, fields) in TABLES.items():
+        cell = "token cell" if table in TOKEN_CELL_TABLES else "sequence cell"
+        keys = ", ".join(f"`{k}`" for k in extra)
+        parts.append(f"\n## `{table}`\n\nOne row per {cell}" + (f" and {keys}" if keys else "") + ".\n\n")
+        parts.append("| column | type | merge | meaning |\n|---|---|---|---|\n")
+        for f in fields:
+            doc = f.doc.replace("|", "\\|")  # a literal pipe would end the cell
+            parts.append(f"| `{f.name}` | {f.dtype} | {f.merge} | {doc} |\n")
+    parts.append("""
+## `exemplar_tokens`, `exemplar_sequences`
+
+The K worst tokens (largest |lr|) and sequences (largest max |lr|) of each step, with their
+labels; merged across ranks by keeping the global top K.
+
+""")
+    for name in ("exemplar_tokens", "exemplar_sequences"):
+        cols = [c for c in empty_exemplars(name).columns if c not in STANDARD_DIMENSIONS]
+        parts.append(f"- `{name}`: labels, " + ", ".join(f"`{c}`" for c in cols) + "\n")
+    parts.append("""
+## `alerts`
+
+One row per alert state change (`firing` or `resolved`) written by the in-process evaluator:
+`step`, `wall_time`, `alert`, `severity`, `pool`, `state`, `value`, `threshold`, `summary`,
+`description`, `runbook`, `resync`.
+
+## `steps`
+
+`step`, `wall_time` (seconds since the epoch), `n_tokens`, `n_sequences`, `n_cells`,
+`collector_errors` (errors the collector had counted by then; a step whose batch was rejected is
+recorded with no statistics).
+""")
+    return "".join(parts)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

@@ -1,0 +1,89 @@
+"""The CLI on a real run: summary, export and compact, and their errors."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from mismatch_monitor import query
+from mismatch_monitor.cli import main
+from mismatch_monitor.collectors import MismatchCollector
+from mismatch_monitor.store.schema_doc import render
+
+from synthetic import make_batch
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("cli") / "run"
+    pools = {"bf16": {"hardware": "H100", "precision": "bf16"}, "fp8": {"hardware": "H100", "precision": "fp8"}}
+    with MismatchCollector(run, pools=pools, flush_every_steps=2) as mc:
+        for s in range(4):
+            mc.log_step(s, make_batch(s))
+    return run
+
+
+def _run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+def test_summary_shows_latest_step_per_pool(run):
+    code, out = _run("summary", str(run))
+    assert code == 0
+    latest = query.latest(query.connect(), run, ["pool"]).set_index("pool")
+    assert "latest step 3, per pool:" in out
+    assert "bf16 [H100/bf16]" in out and "stale" in out
+    k3 = latest.loc["fp8", "mismatch/k3_kl"]
+    fp8_line = next(line for line in out.splitlines() if line.startswith("fp8"))
+    assert f"{k3:.3g}" in fp8_line
+    assert "worst slices at step 3" in out
+
+
+def test_export_csv_equals_query_layer(run, tmp_path):
+    target = tmp_path / "k3.csv"
+    code, _ = _run("export", str(run), "--metric", "k3_kl", "--metric", "abs_log_ratio/p99",
+                   "--by", "pool", "-o", str(target))
+    assert code == 0
+    got = pd.read_csv(target)
+    want = query.metric_series(query.connect(), run, ["pool"],
+                               metrics=["mismatch/k3_kl", "mismatch/abs_log_ratio/p99"])
+    assert list(got.columns) == list(want.columns)
+    pd.testing.assert_series_equal(got["mismatch/k3_kl"], want["mismatch/k3_kl"], rtol=1e-12)
+    code, _ = _run("export", str(run), "--metric", "ess", "--format", "parquet", "-o", str(tmp_path / "e.parquet"))
+    assert code == 0 and len(pd.read_parquet(tmp_path / "e.parquet")) == 4
+
+
+def test_errors_are_clear(run, tmp_path, capsys):
+    assert main(["summary", str(tmp_path / "nope")]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", str(run), "--metric", "not_a_metric"])
+    assert "unknown metric 'not_a_metric'" in capsys.readouterr().err
+    assert main(["export", str(run), "--metric", "k3_kl", "--by", "pool; DROP TABLE x"]) == 2
+    assert "cannot group tokens by" in capsys.readouterr().err
+
+
+def test_compact_keeps_the_summary(run):
+    _, before = _run("summary", str(run))
+    code, out = _run("compact", str(run))
+    assert code == 0 and "file(s) merged" in out
+    _, after = _run("summary", str(run))
+    assert before.splitlines()[1:] == after.splitlines()[1:]
+
+
+def test_empty_run_summary(tmp_path):
+    MismatchCollector(tmp_path / "e").close()
+    code, out = _run("summary", str(tmp_path / "e"))
+    assert code == 0 and "no observations yet" in out
+
+
+def test_schema_doc_is_current():
+    doc = Path(__file__).parents[1] / "docs" / "SCHEMA.md"
+    assert doc.read_text() == render(), "run: python -m mismatch_monitor.store.schema_doc > docs/SCHEMA.md"
