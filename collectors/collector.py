@@ -12,7 +12,6 @@ Callbacks (``on_alert``, ``on_resync``) that fail are logged and never break tra
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import math
@@ -116,9 +115,8 @@ class MismatchCollector:
                                     flush_every_steps=flush_every_steps,
                                     flush_every_seconds=flush_every_seconds, clock=clock,
                                     metadata=metadata)
-            # flush what is buffered if the process exits without close()
+            # flush what is buffered if the process exits without close() (finalize runs at exit)
             self._finalizer = weakref.finalize(self, RunWriter.close, self.writer)
-            atexit.register(self._finalizer)
 
     # ------------------------------------------------------------------ callbacks
     def on_alert(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -238,7 +236,7 @@ class MismatchCollector:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-            atexit.unregister(self._finalizer)
+            self._finalizer.detach()
 
     def __enter__(self) -> "MismatchCollector":
         return self

@@ -160,42 +160,46 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
     """
     config = config or MetricConfig()
     by = list(by)
-    out = tokens[by].copy() if by else pd.DataFrame(index=range(len(tokens)))
-    out = out.reset_index(drop=True)
+    keys = tokens[by].reset_index(drop=True) if by else pd.DataFrame(index=range(len(tokens)))
+    n = len(keys)
     tok = tokens.reset_index(drop=True)
+    values: dict[str, np.ndarray] = {}
     for m in METRICS:
         if m.table == "tokens":
-            out[m.key] = m.fn(tok) if len(tok) else np.array([], dtype=np.float64)
+            values[m.key] = np.asarray(m.fn(tok), dtype=np.float64) if n else np.zeros(0)
     seq_metrics = [m for m in METRICS if m.table == "sequences"]
     # sequences span turns: a turn-sliced row has no sequence-level value
-    if sequences is not None and len(out) and "turn_bucket" not in by:
+    if sequences is not None and n and "turn_bucket" not in by:
         seq = sequences.reset_index(drop=True)
-        joined = out[by].merge(seq, on=by, how="left") if by else seq.reindex(range(len(out)))
+        joined = keys.merge(seq, on=by, how="left") if by else seq.reindex(range(n))
         for m in seq_metrics:
-            out[m.key] = m.fn(joined)
+            values[m.key] = np.asarray(m.fn(joined), dtype=np.float64)
     else:
         for m in seq_metrics:
-            out[m.key] = np.nan
+            values[m.key] = np.full(n, np.nan)
     qkeys = [f"mismatch/abs_log_ratio/{name}" for name, _ in QUANTILES]
-    if abs_hist is not None and len(out) and len(abs_hist):
+    if abs_hist is not None and n and len(abs_hist):
         if by:
-            codes = out[by].reset_index().merge(abs_hist, on=by, how="inner")
+            codes = keys.reset_index().merge(abs_hist, on=by, how="inner")
             group = codes["index"].to_numpy()
         else:
             codes = abs_hist
             group = np.zeros(len(abs_hist), dtype=np.int64)
         vals = quantiles_from_counts(
             LogBins.from_config(config), group, codes["bin"].to_numpy(), codes["count"].to_numpy(),
-            tuple(q for _, q in QUANTILES), exact_max=out["mismatch/abs_log_ratio/max"].to_numpy())
+            tuple(q for _, q in QUANTILES), exact_max=values["mismatch/abs_log_ratio/max"])
         for j, k in enumerate(qkeys):
-            out[k] = vals[:, j]
+            values[k] = vals[:, j]
     else:
         for k in qkeys:
-            out[k] = np.nan
-    return out
+            values[k] = np.full(n, np.nan)
+    metrics = pd.DataFrame(values, index=keys.index)
+    return pd.concat([keys, metrics], axis=1) if by else metrics
 
 
 def report(stats, by: Sequence[str] = (), config: MetricConfig | None = None) -> pd.DataFrame:
     """Metrics of a :class:`MismatchStats` merged down to ``by`` (``()`` = everything)."""
-    m = stats.marginal(by)
+    # only the tables metrics read: merging histograms of other kinds would be wasted work
+    needed = type(stats)({t: stats.tables[t] for t in ("tokens", "sequences", "abs_hist")}, stats.dims)
+    m = needed.marginal(by)
     return derive(m["tokens"], m["sequences"], m["abs_hist"], by=by, config=config)

@@ -1,0 +1,146 @@
+"""Collector overhead, bytes on disk, and query times on a long run.
+
+    python benchmarks/bench_collector.py [--sizes 100000 1000000 8000000] [--steps 10000]
+
+1. Cost of ``MismatchCollector.log_step`` per step (validation, engine, exemplars, report,
+   bookkeeping and the Parquet flush, flushing every step) as a ratio to ``compute_stats`` alone,
+   both measured here in the same run on the same batch.
+2. Bytes on disk per step per 1,000 cells.
+3. ``summary`` and a by-pool series query on a run of ``--steps`` steps (the same step's
+   statistics written ``--steps`` times through the real writer, flushed every 100 steps), as
+   absolute times and as ratios to a bare ``count(*)`` over the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mismatch_monitor import query
+from mismatch_monitor.batch import TokenBatch
+from mismatch_monitor.cli import main as cli_main
+from mismatch_monitor.collectors import MismatchCollector
+from mismatch_monitor.config import MetricConfig
+from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.store import RunWriter
+
+
+def make_batch(n_tokens: int, seq_len: int = 512, seed: int = 0) -> TokenBatch:
+    """Flat batch: 6 pools x 4 hardware labels, turns 0..15, heavy-tailed log ratios."""
+    g = torch.Generator().manual_seed(seed)
+    B = max(1, n_tokens // seq_len)
+    lengths = torch.randint(seq_len // 8, 2 * seq_len, (B,), generator=g)
+    lengths = (lengths.double() * n_tokens / lengths.sum()).long().clamp(min=1)
+    lengths[-1] += n_tokens - int(lengths.sum())
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    trainer = -torch.rand(n_tokens, generator=g) * 6.0
+    lr = torch.randn(n_tokens, generator=g) * 1e-3
+    tail = torch.rand(n_tokens, generator=g) < 1e-3
+    lr = torch.where(tail, torch.rand(n_tokens, generator=g) * 4 + 1, lr)
+    sampler = (trainer - lr).clamp(max=0)
+    seq = torch.repeat_interleave(torch.arange(B), lengths)
+    turn = (torch.arange(n_tokens) - offsets[:-1][seq]) // 128
+    return TokenBatch.from_flat(
+        trainer.to(torch.bfloat16), sampler.to(torch.bfloat16), seq_offsets=offsets,
+        labels={"pool": [f"pool{i % 6}" for i in range(B)], "hardware": [f"hw{i % 4}" for i in range(B)]},
+        turn_index=turn)
+
+
+def best_of(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def bench_overhead(sizes: list[int], tmp: Path) -> None:
+    print("collector cost per step vs the metric engine alone (same batch, same run; best of 3)")
+    print(f"{'tokens':>10} {'engine s':>10} {'collector s':>12} {'ratio':>7} {'cells':>6} {'bytes/step/1k cells':>20}")
+    for n in sizes:
+        batch = make_batch(n)
+        engine = best_of(lambda: compute_stats(batch), 3)
+        run = tmp / f"overhead-{n}"
+        mc = MismatchCollector(run, flush_every_steps=1)
+        step = [0]
+
+        def log() -> None:
+            mc.log_step(step[0], batch)
+            step[0] += 1
+
+        collector = best_of(log, 3)
+        mc.close()
+        cells = len(compute_stats(batch)["tokens"])
+        per_step = dir_bytes(run) / step[0]
+        print(f"{n:>10} {engine:>10.3f} {collector:>12.3f} {collector / engine:>7.2f} {cells:>6} "
+              f"{per_step / cells * 1000:>20,.0f}")
+
+
+def bench_queries(steps: int, tmp: Path) -> None:
+    run = tmp / "long"
+    stats = compute_stats(make_batch(100_000, seed=1))
+    cells = len(stats["tokens"])
+    writer = RunWriter(run, config=MetricConfig(), flush_every_steps=100, flush_every_seconds=1e9)
+    t0 = time.perf_counter()
+    for s in range(steps):
+        writer.append_step(s, stats, wall_time=1.7e9 + s)
+    writer.close()
+    write_s = time.perf_counter() - t0
+    size = dir_bytes(run)
+    print(f"\nrun of {steps} steps x {cells} cells: written in {write_s:.1f} s, {size / 1e6:.1f} MB "
+          f"({size / steps / cells * 1000:,.0f} bytes per step per 1k cells)")
+    con = query.connect()
+    files = query.table_files(run, "tokens")
+
+    def count_scan() -> None:
+        con.execute("SELECT count(*) FROM read_parquet($f)", {"f": files}).fetchall()
+
+    def summary() -> None:
+        with contextlib.redirect_stdout(io.StringIO()):
+            cli_main(["summary", str(run)])
+
+    def series() -> None:
+        query.metric_series(con, run, ["pool"], metrics=["mismatch/k3_kl", "mismatch/ess"])
+
+    def series_p99() -> None:
+        query.metric_series(con, run, ["pool"], metrics=["mismatch/abs_log_ratio/p99"])
+
+    base = best_of(count_scan, 5)
+    print(f"{'query':<34} {'seconds':>8} {'x count(*)':>11}")
+    print(f"{'count(*) over tokens files':<34} {base:>8.3f} {1.0:>11.1f}")
+    for name, fn in (("summary (CLI)", summary), ("by-pool series k3, ESS", series),
+                     ("by-pool series p99 (histograms)", series_p99)):
+        t = best_of(fn, 3)
+        print(f"{name:<34} {t:>8.3f} {t / base:>11.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 8_000_000])
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp(prefix="mm-bench-"))
+    try:
+        bench_overhead(args.sizes, tmp)
+        bench_queries(args.steps, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
