@@ -1,0 +1,90 @@
+"""verl: a ``DataProto`` after the actor's ``compute_log_prob`` -> TokenBatch.
+
+Targets verl 0.5-0.7 (2025-2026: ``rollout_corr`` helper, agent loop, router replay R3). The keys,
+as verl names and lays them out (B sequences, P prompt and R response positions):
+
+===========================  ==============  =====================================================
+``batch`` key                shape           meaning
+===========================  ==============  =====================================================
+``old_log_probs``            [B, R] float    trainer log-probs (actor ``compute_log_prob``) = pi
+``rollout_log_probs``        [B, R] float    sampler log-probs (``rollout.calculate_log_probs``)
+                                             = mu; padding holds 0.0
+``response_mask``            [B, R] int      1 on generated tokens; 0 on tool/observation
+                                             tokens of multi-turn rollouts and on padding
+``responses``                [B, R] int      response token ids (right-padded)
+``prompts``                  [B, P] int      prompt token ids (left-padded)
+``advantages``               [B, R] float    per-token advantages
+``routed_experts``           [B, P+R, L, K]  expert ids the rollout engine routed each position
+                                             to (router replay R3), aligned with ``input_ids``
+===========================  ==============  =====================================================
+
+``non_tensor_batch["data_source"]`` (one string per sequence) becomes the ``env`` label.
+
+In bypass mode verl sets ``old_log_probs`` to the very tensor ``rollout_log_probs``; there is no
+trainer re-score to compare then, and the adapter says so instead of reporting zero mismatch:
+pass the log-probs of the actor's update forward as ``trainer_logprobs``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mismatch_monitor.batch import BatchError, TokenBatch
+
+from .common import Labels, get, producing_rows, require, sequence_labels, sequence_mean, tensor, turn_index
+
+FRAMEWORK = "verl"
+
+
+def verl_batch(
+    data: Any,
+    *,
+    labels: Labels | None = None,
+    trainer_logprobs: torch.Tensor | None = None,
+    trainer_routed_experts: torch.Tensor | None = None,
+    policy_version: torch.Tensor | None = None,
+    trainer_version: int | None = None,
+    turns: bool = False,
+) -> TokenBatch:
+    """A TokenBatch from a verl ``DataProto`` (or the mapping of its ``batch``).
+
+    Args:
+        data: the DataProto (``.batch``, ``.non_tensor_batch``) or a mapping of its tensors.
+        labels: extra labels, a string for every sequence or one string per sequence.
+        trainer_logprobs: [B, R] trainer log-probs to use instead of ``old_log_probs``.
+        trainer_routed_experts: [B, P+R, L, K] the trainer's expert ids, laid out like
+            ``routed_experts`` (verl ships the rollout's only); both enable routing-flip counts.
+        policy_version, trainer_version: [B] sampler weight versions and the trainer's version.
+        turns: slice by turn (runs of generated tokens in ``response_mask``).
+    """
+    tensors = get(data, "batch") if get(data, "batch") is not None else data
+    non_tensor = get(data, "non_tensor_batch") or {}
+    sampler = tensor(require(tensors, "rollout_log_probs", FRAMEWORK,
+                             " (set actor_rollout_ref.rollout.calculate_log_probs=True)"))
+    if trainer_logprobs is None:
+        trainer_logprobs = tensor(require(tensors, "old_log_probs", FRAMEWORK))
+        if trainer_logprobs is sampler or trainer_logprobs.data_ptr() == sampler.data_ptr():
+            raise BatchError(
+                "expected old_log_probs to be the actor's re-score, got the rollout_log_probs tensor "
+                "itself (verl bypass mode); pass the update forward's log-probs as trainer_logprobs")
+    mask = tensor(require(tensors, "response_mask", FRAMEWORK)).bool()
+    B, R = mask.shape
+    advantages = get(tensors, "advantages")
+    experts = None
+    if trainer_routed_experts is not None:
+        sampler_routed = tensor(require(tensors, "routed_experts", FRAMEWORK))
+        first = sampler_routed.shape[1] - R                       # P: response token 0 sits here
+        experts = (producing_rows(tensor(trainer_routed_experts), first, R),
+                   producing_rows(sampler_routed, first, R))
+    return TokenBatch.from_padded(
+        tensor(trainer_logprobs), sampler, mask,
+        labels=sequence_labels(labels, B, env=non_tensor.get("data_source")),
+        turn_index=turn_index(mask) if turns else None,
+        policy_version=policy_version, trainer_version=trainer_version,
+        advantages=None if advantages is None else sequence_mean(tensor(advantages), mask),
+        trainer_experts=None if experts is None else experts[0],
+        sampler_experts=None if experts is None else experts[1],
+        token_ids=None if get(tensors, "responses") is None else tensor(get(tensors, "responses")),
+    )
