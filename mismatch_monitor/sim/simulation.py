@@ -1,0 +1,183 @@
+"""The simulated RL system: a fleet of sampler pools, an fp32 trainer and a GRPO loop.
+
+    sim = Simulation(SimConfig(pools=(PoolSpec("bf16"), PoolSpec("fp8", precision="fp8_e4m3"))))
+    for step in sim.run(100):
+        step.batch          # TokenBatch: pool/hardware/precision/engine/env labels, versions, experts
+        sim.resync("fp8")   # e.g. from a monitor's resync callback; applied at the next step
+
+Each step: every pool syncs the weights its pipeline would hold (``lag`` updates old, frozen
+by a ``stop_sync`` fault, reloaded by :meth:`Simulation.resync`), samples its prompts, the
+trainer re-scores every dialogue in fp32, and one GRPO update follows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..batch import TokenBatch
+from .batching import pad_rollouts, token_batch, trainer_token_logprobs
+from .config import SimConfig
+from .policy import build_model, model_config
+from .sampler import PoolSampler
+from .task import Episode
+from .tokenizer import CharTokenizer
+from .trainer import Trainer
+from .warmstart import warm_start
+
+
+@dataclass(frozen=True)
+class SimStep:
+    """What one step produced.
+
+    Attributes:
+        step: RL step index (0-based).
+        batch: the tokens the trainer consumed, as the monitor receives them.
+        reward_mean: mean episode reward over the whole fleet, in [0, 1].
+        reward_by_pool: mean episode reward per pool.
+        loss, grad_norm: GRPO loss and gradient norm (before clipping) of the update.
+        entropy: mean trainer entropy (nats) over the sampled tokens.
+        trainer_version: weights version the trainer scored with (= updates taken before).
+        seconds: wall time of the step.
+    """
+
+    step: int
+    batch: TokenBatch
+    reward_mean: float
+    reward_by_pool: dict[str, float]
+    loss: float
+    grad_norm: float
+    entropy: float
+    trainer_version: int
+    seconds: float
+
+
+def _seed(*parts: int) -> int:
+    """A stable 63-bit seed from integers (no Python ``hash`` randomisation)."""
+    acc = 1469598103934665603
+    for p in parts:
+        acc = ((acc ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return acc
+
+
+class Simulation:
+    """Runs a :class:`SimConfig`; see the module docstring."""
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        self.tokenizer = CharTokenizer(config.alphabet)
+        tok = self.tokenizer
+        self._model_config = model_config(config.policy, tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_seed(config.seed, 0))
+            model = build_model(self._model_config)
+        self.warmstart_loss = warm_start(
+            model, config.task, tok, steps=config.warmstart_steps, batch_size=config.warmstart_batch,
+            learning_rate=config.warmstart_learning_rate,
+            generator=torch.Generator().manual_seed(_seed(config.seed, 1)))
+        self.trainer = Trainer(model, learning_rate=config.learning_rate, grad_clip=config.grad_clip,
+                               correction=config.correction, thresholds=config.thresholds)
+        depth = 1 + max(p.lag for p in config.pools)
+        self._history: deque[tuple[int, dict[str, torch.Tensor]]] = deque([(0, self.trainer.state())], maxlen=depth)
+        self.samplers = {p.name: PoolSampler(p, self._model_config, tok) for p in config.pools}
+        self._resync: set[str] = set()
+        self._step = 0
+
+    # ------------------------------------------------------------------ public
+    def pool_metadata(self) -> dict[str, dict[str, str]]:
+        """Pool name -> hardware / precision / engine labels (what ``run.json`` records)."""
+        return {p.name: p.metadata() for p in self.config.pools}
+
+    def resync(self, pool: str | None = None) -> None:
+        """Push the trainer's current weights to ``pool`` (every pool when None) before the next step."""
+        if pool is not None and pool not in self.samplers:
+            raise ValueError(f"expected a pool in {sorted(self.samplers)}, got {pool!r}")
+        self._resync.update(self.samplers if pool is None else (pool,))
+
+    def run(self, steps: int, *, progress: bool = False) -> Iterator[SimStep]:
+        """``steps`` further steps, with a progress bar when ``progress``."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, disable=not progress, unit="step", dynamic_ncols=True)
+        try:
+            for _ in range(steps):
+                out = self.next_step()
+                bar.set_postfix(reward=f"{out.reward_mean:.3f}", refresh=False)
+                bar.update(1)
+                yield out
+        finally:
+            bar.close()
+
+    def next_step(self) -> SimStep:
+        cfg, s, t0 = self.config, self._step, time.perf_counter()
+        version = self.trainer.version
+        self._sync(s, version)
+        episode_gen = torch.Generator().manual_seed(_seed(cfg.seed, 2, s))
+        rollouts, specs, episodes = [], [], []
+        for index, spec in enumerate(cfg.pools):
+            prompts = cfg.task.sample(spec.prompts, episode_gen, cfg.alphabet)
+            group = [ep for ep in prompts for _ in range(cfg.group_size)]
+            rollouts += self.samplers[spec.name].rollout(
+                group, temperature=cfg.temperature, max_new_tokens=cfg.task.max_answer_tokens() + 2,
+                seed=_seed(cfg.seed, 3, s, index), ignore_temperature=spec.ignores_temperature_at(s))
+            specs += [spec] * len(group)
+            episodes += group
+        rewards = torch.tensor([ep.reward(r.answers) for ep, r in zip(episodes, rollouts)], dtype=torch.float64)
+        advantages = self._advantages(rewards)
+        padded = pad_rollouts(rollouts, specs, self.tokenizer.vocab_size, self.tokenizer.pad_id)
+        logp, trainer_experts = self.trainer.score(padded.ids, padded.attention_mask, cfg.temperature)
+        token_lp, support = trainer_token_logprobs(logp, padded, {p.name: p for p in cfg.pools})
+        batch = token_batch(padded, token_lp, support, trainer_experts, self._labels(specs, episodes),
+                            advantages, version, cfg.task.turns > 1)
+        mask = padded.response_mask
+        with torch.no_grad():
+            entropy = float(-(logp.exp() * logp).sum(-1)[mask].mean())
+        token_adv = advantages.to(torch.float32).unsqueeze(1).expand_as(mask)[mask]
+        loss, grad_norm = self.trainer.update(token_lp[mask], padded.sampler_logprobs[mask], token_adv)
+        self._history.append((self.trainer.version, self.trainer.state()))
+        self._step += 1
+        by_pool = {name: float(rewards[rows].mean()) for name, rows in padded.pool_rows.items()}
+        return SimStep(step=s, batch=batch, reward_mean=float(rewards.mean()), reward_by_pool=by_pool,
+                       loss=loss, grad_norm=grad_norm, entropy=entropy, trainer_version=version,
+                       seconds=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ internals
+    def _sync(self, step: int, version: int) -> None:
+        states = dict(self._history)
+        oldest = min(states)
+        for spec in self.config.pools:
+            sampler = self.samplers[spec.name]
+            if spec.name in self._resync:
+                target = version
+            elif sampler.version < 0:
+                target = max(version - spec.lag, oldest)
+            elif spec.sync_stopped_at(step):
+                target = sampler.version                              # stuck on what it holds
+            else:                                                     # async pipeline, never backwards
+                target = max(version - spec.lag, oldest, sampler.version)
+            precision = spec.precision_at(step)
+            if target != sampler.version or precision != sampler.precision:
+                state = states.get(target)
+                if state is None:                                     # stuck weights, new format
+                    state = sampler.held_state
+                sampler.load(state, target, precision)
+        self._resync.clear()
+
+    def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Group-normalised advantages: (r - group mean) / (group std + 1e-6), groups contiguous."""
+        groups = rewards.view(-1, self.config.group_size)
+        centred = groups - groups.mean(1, keepdim=True)
+        return (centred / (groups.std(1, unbiased=False, keepdim=True) + 1e-6)).view(-1)
+
+    @staticmethod
+    def _labels(specs: list, episodes: list[Episode]) -> dict[str, list[str]]:
+        meta = [spec.metadata() for spec in specs]
+        return {"pool": [spec.name for spec in specs],
+                **{key: [m[key] for m in meta] for key in ("hardware", "precision", "engine")},
+                "env": [ep.env for ep in episodes]}
