@@ -1,0 +1,294 @@
+"""Alert conditions: each kind defines its PromQL and its in-process evaluation side by side.
+
+A condition reads metric values of one step (per pool, or for the fleet) and, for trailing
+baselines, the values of earlier steps. ``evaluate`` returns, per pool, the value the alert
+reports where the condition holds and NaN where it does not; ``promql`` returns the expression
+Prometheus evaluates (plus the recording rules it reads), with the same meaning when one
+training step is one evaluation interval of ``step_seconds``:
+
+* a missing or NaN value (an empty slice) is "no sample" on both sides, so it never fires;
+* a trailing window of ``W`` steps is the ``W`` steps *before* the current one: in PromQL the
+  range ``[(W - 0.5) * step] offset step`` (Prometheus 2.x ranges include both ends);
+* medians interpolate as PromQL's ``quantile`` does (:func:`prom_quantile`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from mismatch_monitor.metrics import METRIC_BY_KEY, prometheus_name
+
+Scope = Literal["pool", "fleet"]
+SELECTORS: dict[Scope, str] = {"pool": '{pool!=""}', "fleet": '{pool="",hardware=""}'}
+
+
+def prom_quantile(q: float, values: Sequence[float] | np.ndarray) -> float:
+    """PromQL's ``quantile``/``quantile_over_time``: sort, then interpolate at rank q (n - 1)."""
+    v = np.sort(np.asarray(values, dtype=np.float64))
+    if v.size == 0:
+        return math.nan
+    rank = q * (v.size - 1)
+    lower = max(0, math.floor(rank))
+    upper = min(v.size - 1, lower + 1)
+    weight = rank - math.floor(rank)
+    return float(v[lower] * (1 - weight) + v[upper] * weight)
+
+
+def duration(seconds: float) -> str:
+    """A PromQL duration: whole seconds as ``Ns``, otherwise milliseconds."""
+    ms = round(seconds * 1000)
+    if abs(ms - seconds * 1000) > 1e-6 or ms < 0:
+        raise ValueError(f"expected a non-negative whole number of milliseconds, got {seconds} s")
+    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
+
+
+def number(x: float) -> str:
+    return repr(float(x))
+
+
+@dataclass(frozen=True)
+class Recording:
+    record: str
+    expr: str
+
+
+@dataclass(frozen=True)
+class Expression:
+    expr: str
+    recordings: tuple[Recording, ...] = ()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One step's values: ``pools[i]`` has ``values[key][i]`` (NaN = no observation)."""
+
+    pools: tuple[str, ...]
+    values: Mapping[str, np.ndarray]
+
+    def get(self, key: str) -> np.ndarray:
+        return self.values.get(key, np.full(len(self.pools), np.nan))
+
+
+class Past(Protocol):
+    def prior(self, key: str, scope: Scope, pools: Sequence[str], step: int, window: int) -> list[np.ndarray]:
+        """Per pool, the non-NaN values of ``key`` at steps ``step - window .. step - 1``."""
+
+
+def _check_metric(key: str) -> None:
+    if key not in METRIC_BY_KEY:
+        raise ValueError(f"expected a metric key of mismatch_monitor.metrics.METRICS, got {key!r}")
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"expected {name} > 0, got {value}")
+
+
+def _series(key: str, scope: Scope) -> str:
+    return prometheus_name(key) + SELECTORS[scope]
+
+
+@dataclass(frozen=True)
+class Compare:
+    """``metric > threshold`` (or ``<``); the alert's value is the metric."""
+
+    metric: str
+    op: Literal[">", "<"]
+    threshold: float
+
+    def __post_init__(self) -> None:
+        _check_metric(self.metric)
+        if self.op not in (">", "<"):
+            raise ValueError(f"expected op '>' or '<', got {self.op!r}")
+        if not math.isfinite(self.threshold):
+            raise ValueError(f"expected a finite threshold, got {self.threshold}")
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric,)
+
+    @property
+    def windows(self) -> dict[str, int]:
+        return {}
+
+    def explain(self) -> str:
+        return f"`{self.metric}` {self.op} {self.threshold:g}"
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        return Expression(f"{_series(self.metric, scope)} {self.op} {number(self.threshold)}")
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x = now.get(self.metric)
+        with np.errstate(invalid="ignore"):
+            hit = x > self.threshold if self.op == ">" else x < self.threshold
+        return np.where(hit, x, np.nan)
+
+
+@dataclass(frozen=True)
+class GrowthOverBaseline:
+    """``metric / median(metric over the previous window_steps) > factor``, with
+    ``metric > floor`` and at least ``min_points`` earlier values; the value is the ratio."""
+
+    metric: str
+    factor: float
+    window_steps: int
+    min_points: int
+    floor: float
+
+    def __post_init__(self) -> None:
+        _check_metric(self.metric)
+        _positive("factor", self.factor)
+        if not (isinstance(self.window_steps, int) and self.window_steps >= 1):
+            raise ValueError(f"expected integer window_steps >= 1, got {self.window_steps!r}")
+        if not (isinstance(self.min_points, int) and 1 <= self.min_points <= self.window_steps):
+            raise ValueError(f"expected integer 1 <= min_points <= window_steps, got {self.min_points!r}")
+        if not (math.isfinite(self.floor) and self.floor >= 0):
+            raise ValueError(f"expected floor >= 0, got {self.floor}")
+
+    @property
+    def threshold(self) -> float:
+        return self.factor
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric,)
+
+    @property
+    def windows(self) -> dict[str, int]:
+        return {self.metric: self.window_steps}
+
+    def explain(self) -> str:
+        return (f"`{self.metric}` > {self.factor:g} x its median over the previous {self.window_steps} "
+                f"steps (at least {self.min_points} values), and > {self.floor:g}")
+
+    def _names(self, scope: Scope) -> tuple[str, str]:
+        base = f"{scope}:{prometheus_name(self.metric)}"
+        return f"{base}:median_prior_{self.window_steps}_steps", f"{base}:count_prior_{self.window_steps}_steps"
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        series = _series(self.metric, scope)
+        window = f"[{duration((self.window_steps - 0.5) * step_seconds)}] offset {duration(step_seconds)}"
+        median, count = self._names(scope)
+        return Expression(
+            f"{series} / {median} > {number(self.factor)} and {series} > {number(self.floor)} "
+            f"and {count} >= {self.min_points}",
+            (Recording(median, f"quantile_over_time(0.5, {series}{window})"),
+             Recording(count, f"count_over_time({series}{window})")))
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x = now.get(self.metric)
+        prior = past.prior(self.metric, scope, now.pools, step, self.window_steps)
+        base = np.array([prom_quantile(0.5, p) for p in prior], dtype=np.float64)
+        count = np.array([len(p) for p in prior])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = x / base
+            hit = (ratio > self.factor) & (x > self.floor) & (count >= self.min_points)
+        return np.where(hit, ratio, np.nan)
+
+
+@dataclass(frozen=True)
+class MeanAwayFromZero:
+    """``|mean| / std_error > z`` and ``|mean| > floor``: a signed bias larger than its noise;
+    the value is the z-score. Held for ``for_steps`` it is drift, not a noisy step."""
+
+    mean: str
+    std_error: str
+    z: float
+    floor: float
+
+    def __post_init__(self) -> None:
+        _check_metric(self.mean)
+        _check_metric(self.std_error)
+        _positive("z", self.z)
+        if not (math.isfinite(self.floor) and self.floor >= 0):
+            raise ValueError(f"expected floor >= 0, got {self.floor}")
+
+    @property
+    def threshold(self) -> float:
+        return self.z
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.mean, self.std_error)
+
+    @property
+    def windows(self) -> dict[str, int]:
+        return {}
+
+    def explain(self) -> str:
+        return f"\\|`{self.mean}`\\| > {self.z:g} x `{self.std_error}`, and > {self.floor:g}"
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        mean = f"abs({_series(self.mean, scope)})"
+        return Expression(f"{mean} / {_series(self.std_error, scope)} > {number(self.z)} "
+                          f"and {mean} > {number(self.floor)}")
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        mean = np.abs(now.get(self.mean))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = mean / now.get(self.std_error)
+            hit = (z > self.z) & (mean > self.floor)
+        return np.where(hit, z, np.nan)
+
+
+@dataclass(frozen=True)
+class OutlierAmongPools:
+    """A pool's ``metric / median over pools > factor`` (at least ``min_pools`` reporting, and
+    ``metric > floor``); the value is the ratio to the fleet median."""
+
+    metric: str
+    factor: float
+    min_pools: int
+    floor: float
+
+    def __post_init__(self) -> None:
+        _check_metric(self.metric)
+        _positive("factor", self.factor)
+        if not (isinstance(self.min_pools, int) and self.min_pools >= 2):
+            raise ValueError(f"expected integer min_pools >= 2, got {self.min_pools!r}")
+        if not (math.isfinite(self.floor) and self.floor >= 0):
+            raise ValueError(f"expected floor >= 0, got {self.floor}")
+
+    @property
+    def threshold(self) -> float:
+        return self.factor
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric,)
+
+    @property
+    def windows(self) -> dict[str, int]:
+        return {}
+
+    def explain(self) -> str:
+        return (f"`{self.metric}` > {self.factor:g} x its median over pools (at least {self.min_pools} "
+                f"pools), and > {self.floor:g}")
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        if scope != "pool":
+            raise ValueError(f"expected scope 'pool' for an outlier among pools, got {scope!r}")
+        series = _series(self.metric, "pool")
+        median = f"fleet:{prometheus_name(self.metric)}:median_over_pools"
+        count = f"fleet:{prometheus_name(self.metric)}:pools_reporting"
+        return Expression(
+            f"{series} / on() group_left() {median} > {number(self.factor)} "
+            f"and {series} > {number(self.floor)} and on() {count} >= {self.min_pools}",
+            (Recording(median, f"quantile(0.5, {series})"), Recording(count, f"count({series})")))
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x = now.get(self.metric)
+        reporting = x[~np.isnan(x)]
+        if reporting.size < self.min_pools:
+            return np.full(x.shape, np.nan)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = x / prom_quantile(0.5, reporting)
+            hit = (ratio > self.factor) & (x > self.floor)
+        return np.where(hit, ratio, np.nan)
+
+
+Condition = Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools

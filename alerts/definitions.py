@@ -1,0 +1,158 @@
+"""Every alert of mismatch-monitor, defined once.
+
+The rendered Prometheus rules (``alerts/mismatch_rules.yml``), their promtool tests, the
+in-process evaluator and docs/ALERTS.md all read this tuple. Change a threshold here, then run
+``mismatch-monitor alerts render --write`` (a test fails while the committed files are stale).
+
+Windows and ``for`` are counted in training steps; Prometheus sees them as multiples of the
+step duration the rules were rendered for (``--step-seconds``).
+"""
+
+from __future__ import annotations
+
+from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools
+from .rules import AlertRule
+
+TAIL_GROWTH = AlertRule(
+    name="MismatchTailGrowth",
+    condition=GrowthOverBaseline("mismatch/abs_log_ratio/p99", factor=2.0, window_steps=50,
+                                 min_points=10, floor=0.01),
+    for_steps=2,
+    severity="warning",
+    fix="cap_per_pool",
+    summary="p99 |log ratio| of pool {pool} is {value}x its trailing median",
+    description=("The 99th percentile of |log pi - log mu| in pool {pool} grew to {value} times its "
+                 "median over the previous {window} steps (threshold {threshold}x, and above {floor}) "
+                 "for {held} steps. Tails move before the mean and before a collapse."),
+    runbook=("Open the pool's length and low-probability slices. Growth confined to long responses: "
+             "discard the pool's long rollouts or cap per pool (a tighter TIS cap or IcePop band for "
+             "{pool}). Growth concentrated in tokens with sampler probability < 1e-2: move the LM head "
+             "to FP32. Growth that follows rising staleness: resynchronise the samplers."),
+)
+
+KL_SPIKE = AlertRule(
+    name="MismatchKLSpike",
+    condition=GrowthOverBaseline("mismatch/k3_kl", factor=3.0, window_steps=50, min_points=10,
+                                 floor=1e-4),
+    severity="warning",
+    fix="fp32_head",
+    summary="k3 KL(mu||pi) of pool {pool} spiked to {value}x its rolling median",
+    description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its median over the "
+                 "previous {window} steps (threshold {threshold}x, and above {floor}). Reported collapses "
+                 "start with such spikes."),
+    runbook=("Compare the k3 of the pool's low-probability buckets with the rest: a spike carried by "
+             "rare tokens points at the LM head precision (FP32 head, or matched precision for "
+             "quantized pools). A spike together with staleness or a low ESS is policy lag: resync. "
+             "A spike in one pool only is a per-pool problem: cap per pool."),
+)
+
+LOW_ESS = AlertRule(
+    name="MismatchLowESS",
+    condition=Compare("mismatch/ess", "<", 0.5),
+    for_steps=1,
+    severity="critical",
+    resync=True,
+    fix="resync",
+    summary="ESS of pool {pool} is {value}: resynchronise its samplers",
+    description=("The normalised effective sample size of the importance weights in pool {pool} is "
+                 "{value}, below {threshold}, for {held} steps. Correcting harder only adds variance here."),
+    runbook=("Resynchronise the pool's sampler weights with the trainer (the trainer's on_resync "
+             "callback is called once per firing). If the ESS falls again right after a resync, the "
+             "cause is numerical, not lag: check the tail and KL alerts of {pool} and its precision."),
+)
+
+DRIFT = AlertRule(
+    name="MismatchDrift",
+    condition=MeanAwayFromZero("mismatch/log_ratio/mean", "mismatch/log_ratio/std_error", z=4.0,
+                               floor=1e-3),
+    for_steps=20,
+    severity="warning",
+    fix="mask_replay",
+    summary="Signed mean log ratio of pool {pool} is {value} standard errors from zero",
+    description=("The mean of log pi - log mu in pool {pool} has stayed more than {threshold} standard "
+                 "errors (and {floor}) away from zero for {held} steps: a systematic bias, not noise."),
+    runbook=("A constant offset with a tiny spread is the fingerprint of a sampler that reports "
+             "log-probs after top-p/top-k truncation (shifted by log S): compare with the pool's mean "
+             "kept log-mass, then replay the keep-mask or renormalise. A bias that grows with "
+             "staleness is policy lag: resync. Otherwise centre the scores against the drift."),
+)
+
+EXTREME_SHARE_RISE = AlertRule(
+    name="MismatchExtremeShareRise",
+    condition=GrowthOverBaseline("mismatch/extreme_fraction", factor=3.0, window_steps=50,
+                                 min_points=10, floor=1e-3),
+    for_steps=1,
+    severity="warning",
+    fix="discard_long_rollouts",
+    summary="Share of extreme-ratio tokens in pool {pool} rose {value}x",
+    description=("The share of tokens of pool {pool} whose ratio lies outside the extreme band is "
+                 "{value} times its median over the previous {window} steps (threshold {threshold}x, and "
+                 "above {floor}) for {held} steps."),
+    runbook=("Extreme ratios compound over long sequences: check the pool's length slices and discard "
+             "its long rollouts first, or cap per pool. If one pool holds far more than its share of "
+             "the fleet's extreme tokens, give it its own cap or take it out of the batch."),
+)
+
+ROUTING_FLIP_RISE = AlertRule(
+    name="MismatchRoutingFlipRise",
+    condition=GrowthOverBaseline("mismatch/routing/flip_rate", factor=1.5, window_steps=50,
+                                 min_points=10, floor=0.01),
+    for_steps=1,
+    severity="warning",
+    fix="routing_replay",
+    summary="MoE routing flip rate of pool {pool} rose {value}x",
+    description=("The share of (token, layer) decisions whose top-k expert set differs between "
+                 "sampler and trainer in pool {pool} is {value} times its median over the previous "
+                 "{window} steps (threshold {threshold}x, and above {floor}) for {held} steps."),
+    runbook=("Flipped experts are discontinuous disagreements that no ratio cap repairs well: enable "
+             "routing replay (ship the sampler's expert ids to the trainer) for {pool}. Check the "
+             "per-layer flip table for the layers that moved."),
+)
+
+STALENESS_HIGH = AlertRule(
+    name="MismatchStalenessHigh",
+    condition=Compare("mismatch/staleness/max", ">", 4.0),
+    severity="critical",
+    resync=True,
+    fix="resync",
+    summary="Pool {pool} sampled with weights {value} steps old",
+    description=("The largest staleness (trainer step minus the sampler's policy version) in pool "
+                 "{pool} is {value}, above the cap of {threshold} steps."),
+    runbook=("Policy lag feeds on itself: resynchronise the pool's sampler weights (on_resync is "
+             "called once per firing) and bound the asynchronous queue so no rollout is older than "
+             "the cap."),
+)
+
+POOL_OUTLIER = AlertRule(
+    name="MismatchPoolOutlier",
+    condition=OutlierAmongPools("mismatch/k3_kl", factor=4.0, min_pools=3, floor=1e-4),
+    for_steps=2,
+    severity="warning",
+    fix="cap_per_pool",
+    summary="Pool {pool} has {value}x the fleet's median k3 KL",
+    description=("The k3 KL of pool {pool} is {value} times the median over all pools (threshold "
+                 "{threshold}x, and above {floor}) for {held} steps, with at least {min_pools} pools "
+                 "reporting."),
+    runbook=("One pool's numerics differ from the fleet (precision, engine or hardware): cap per pool "
+             "(its own TIS cap or band), discard its long rollouts, or match its precision flow "
+             "(fake-quantize the trainer to its format). Compare its row with the fleet on the "
+             "dashboard's pool page."),
+)
+
+NON_FINITE = AlertRule(
+    name="MismatchNonFiniteLogprobs",
+    condition=Compare("mismatch/data_quality/nonfinite_tokens", ">", 0.0),
+    severity="critical",
+    fix="fp32_head",
+    summary="Pool {pool} sent {value} tokens with non-finite log-probs",
+    description=("{value} tokens of pool {pool} carried a NaN or infinite log-prob in this step; they "
+                 "are excluded from every metric and from the correction."),
+    runbook=("Non-finite log-probs come from overflow in a low-precision LM head or softmax, or from "
+             "a broken sampler response. Compute the head and log-softmax in FP32 and check the "
+             "pool's engine logs; never feed these tokens to the loss."),
+)
+
+DEFAULT_RULES: tuple[AlertRule, ...] = (
+    TAIL_GROWTH, KL_SPIKE, LOW_ESS, DRIFT, EXTREME_SHARE_RISE, ROUTING_FLIP_RISE, STALENESS_HIGH,
+    POOL_OUTLIER, NON_FINITE,
+)

@@ -1,0 +1,202 @@
+"""The in-process evaluator: the rules of ``definitions.py`` over a run's metric history.
+
+Semantics are Prometheus' own, counted in steps instead of seconds: a condition that first
+holds at step ``s`` makes the alert pending; it fires at the first step ``t >= s + for_steps``
+at which it still holds, and resolves at the first step it does not (a missing value counts as
+"does not"). Only state changes are returned, so a resync callback runs once per firing.
+
+    evaluator = AlertEvaluator()
+    events = evaluator.observe(step, time.time(), metrics.report(stats, by=["pool"]))
+
+After a restart, :meth:`AlertEvaluator.replay` rebuilds the state from the stored history.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Literal
+
+import numpy as np
+import pandas as pd
+
+from .conditions import Scope, Snapshot
+from .definitions import DEFAULT_RULES
+from .history import TrailingValues
+from .rules import AlertRule, Fix, Severity, check_rules
+
+UNKNOWN_POOL = "unknown"   # the pool label of rows logged without one (as the collector reports it)
+State = Literal["firing", "resolved"]
+
+
+@dataclass(frozen=True)
+class AlertEvent:
+    """One state change of one alert (a rule, for one pool or the fleet)."""
+
+    step: int
+    wall_time: float
+    alert: str
+    severity: Severity
+    pool: str | None          # None for fleet-wide rules
+    state: State
+    value: float              # the alert's value at this step (its last value when resolved)
+    threshold: float
+    summary: str
+    description: str
+    runbook: str
+    resync: bool              # this firing asks the trainer to resynchronise the pool
+    fix: Fix
+    since_step: int           # the step the condition started to hold
+
+    def to_row(self) -> dict[str, Any]:
+        """A flat, Parquet-friendly row for the run's ``alerts`` table."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ResyncPolicy:
+    """When a firing resync alert asks for a resync: at most once per pool and step, and not
+    again within ``cooldown_steps`` steps of the previous request for that pool."""
+
+    cooldown_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0):
+            raise ValueError(f"expected integer cooldown_steps >= 0, got {self.cooldown_steps!r}")
+
+
+@dataclass
+class _Active:
+    since: int
+    value: float
+    firing: bool = False
+
+
+class AlertEvaluator:
+    def __init__(self, rules: tuple[AlertRule, ...] = DEFAULT_RULES, *,
+                 resync_policy: ResyncPolicy = ResyncPolicy()) -> None:
+        rules = tuple(rules)
+        check_rules(rules)
+        self.rules = rules
+        self.resync_policy = resync_policy
+        windows: dict[tuple[str, Scope], int] = {}
+        for rule in rules:
+            for key, w in rule.condition.windows.items():
+                windows[(key, rule.scope)] = max(w, windows.get((key, rule.scope), 0))
+        self._history = TrailingValues(windows)
+        self._keys = {scope: sorted({k for r in rules if r.scope == scope for k in r.condition.metrics})
+                      for scope in ("pool", "fleet")}
+        self._active: dict[tuple[str, str | None], _Active] = {}
+        self._last_resync: dict[str | None, int] = {}
+        self._last_step: int | None = None
+
+    # ------------------------------------------------------------------ one step
+    def observe(self, step: int, wall_time: float, by_pool: pd.DataFrame, *,
+                fleet: pd.DataFrame | None = None) -> list[AlertEvent]:
+        """Evaluate every rule on one step's metrics; returns the alerts that fired or resolved.
+
+        ``by_pool``: ``metrics.report(stats, by=["pool"])`` (one row per pool, NaN = no
+        observation); ``fleet``: ``metrics.report(stats)``, read by fleet-scoped rules only.
+        """
+        step = int(step)
+        if self._last_step is not None and step <= self._last_step:
+            self._history.rewind(step)
+        self._last_step = step
+        snapshots = {"pool": _snapshot(by_pool, self._keys["pool"], pooled=True),
+                     "fleet": _snapshot(fleet, self._keys["fleet"], pooled=False)}
+        events: list[AlertEvent] = []
+        requested: set[str | None] = set()
+        for rule in self.rules:
+            now = snapshots[rule.scope]
+            values = rule.condition.evaluate(now, self._history, rule.scope, step)
+            holding = {_pool(p, rule.scope): float(v) for p, v in zip(now.pools, values) if not np.isnan(v)}
+            for pool, value in holding.items():
+                state = self._active.get((rule.name, pool))
+                if state is None:
+                    state = self._active[(rule.name, pool)] = _Active(since=step, value=value)
+                state.value = value
+                if not state.firing and step - state.since >= rule.for_steps:
+                    state.firing = True
+                    resync = rule.resync and self._may_resync(pool, step, requested)
+                    events.append(self._event(rule, pool, "firing", step, wall_time, state, resync))
+            for (name, pool) in [k for k in self._active if k[0] == rule.name and k[1] not in holding]:
+                state = self._active.pop((name, pool))
+                if state.firing:
+                    events.append(self._event(rule, pool, "resolved", step, wall_time, state, False))
+        for scope, now in snapshots.items():
+            self._history.push(scope, step, now)  # type: ignore[arg-type]
+        return events
+
+    def _may_resync(self, pool: str | None, step: int, requested: set[str | None]) -> bool:
+        last = self._last_resync.get(pool)
+        if pool in requested or (last is not None and step - last < self.resync_policy.cooldown_steps):
+            return False
+        requested.add(pool)
+        self._last_resync[pool] = step
+        return True
+
+    def _event(self, rule: AlertRule, pool: str | None, state: State, step: int, wall_time: float,
+               active: _Active, resync: bool) -> AlertEvent:
+        return AlertEvent(
+            step=step, wall_time=float(wall_time), alert=rule.name, severity=rule.severity, pool=pool,
+            state=state, value=active.value, threshold=rule.threshold,
+            summary=rule.text("summary", pool, active.value),
+            description=rule.text("description", pool, active.value),
+            runbook=rule.text("runbook", pool, active.value), resync=resync, fix=rule.fix,
+            since_step=active.since)
+
+    def firing(self) -> list[AlertEvent]:
+        """The alerts firing after the last observed step, with their current values."""
+        step = -1 if self._last_step is None else self._last_step
+        by_name = {r.name: r for r in self.rules}
+        return [self._event(by_name[name], pool, "firing", step, math.nan, state, False)
+                for (name, pool), state in self._active.items() if state.firing]
+
+    # ------------------------------------------------------------------ history
+    @classmethod
+    def replay(cls, history: pd.DataFrame, *, rules: tuple[AlertRule, ...] = DEFAULT_RULES,
+               fleet_history: pd.DataFrame | None = None,
+               resync_policy: ResyncPolicy = ResyncPolicy()) -> tuple["AlertEvaluator", list[AlertEvent]]:
+        """Rebuild an evaluator from a metric history and return it with every event it emitted.
+
+        ``history``: columns ``step``, ``pool``, metric keys and optionally ``wall_time``, one row
+        per (step, pool), as ``query.metric_series(con, run_dir, ["pool"])`` returns it;
+        ``fleet_history``: the same without ``pool``, for fleet-scoped rules.
+        """
+        evaluator = cls(rules, resync_policy=resync_policy)
+        events: list[AlertEvent] = []
+        for step, by_pool, fleet in iter_steps(history, fleet_history):
+            wall = float(by_pool["wall_time"].iloc[0]) if "wall_time" in by_pool and len(by_pool) else math.nan
+            events += evaluator.observe(step, wall, by_pool, fleet=fleet)
+        return evaluator, events
+
+
+def iter_steps(history: pd.DataFrame, fleet_history: pd.DataFrame | None = None
+               ) -> Iterator[tuple[int, pd.DataFrame, pd.DataFrame | None]]:
+    """(step, per-pool rows, fleet row) for every step of either history, in order."""
+    steps = set(history["step"].astype(int)) if len(history) else set()
+    if fleet_history is not None and len(fleet_history):
+        steps |= set(fleet_history["step"].astype(int))
+    by_step = dict(tuple(history.groupby("step", sort=True))) if len(history) else {}
+    fleet_by_step = (dict(tuple(fleet_history.groupby("step", sort=True)))
+                     if fleet_history is not None and len(fleet_history) else {})
+    empty = history.iloc[0:0]
+    for step in sorted(steps):
+        yield step, by_step.get(step, empty), fleet_by_step.get(step)
+
+
+def _pool(label: str, scope: Scope) -> str | None:
+    return None if scope == "fleet" else label
+
+
+def _snapshot(frame: pd.DataFrame | None, keys: list[str], *, pooled: bool) -> Snapshot:
+    if frame is None or len(frame) == 0:
+        return Snapshot((), {k: np.empty(0) for k in keys})
+    if pooled:
+        pools = tuple(UNKNOWN_POOL if pd.isna(p) else str(p) for p in frame["pool"])
+    else:
+        pools = ("",) * len(frame)
+    n = len(frame)
+    values = {k: frame[k].to_numpy(dtype=np.float64, na_value=np.nan) if k in frame else np.full(n, np.nan)
+              for k in keys}
+    return Snapshot(pools, values)
