@@ -100,6 +100,7 @@ def _token_table(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, config
     keys = cells.token_keys()
     df = pd.concat([keys, pd.DataFrame(data)], axis=1)
     df = df.astype({f.name: f.dtype for f in TOKEN_FIELDS})
+    df = df[keys.columns.tolist() + [f.name for f in TOKEN_FIELDS]]  # the order of fields.py
     df.attrs["routing_per_layer"] = cells_per_layer
     keep = (n_tokens + data["n_nonfinite"] + data["n_positive_logprob"] + data["n_routed_tokens"]
             + data["n_support_known"]) > 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -65,8 +66,10 @@ class LogBins:
         """Unsigned bin of each |x| (float tensor, >= 0) as int64."""
         k = torch.ceil(torch.log(abs_x) * (1.0 / self.log_gamma))
         # log(0) = -inf lands in the zero bin through the clamp; x < min_value too
-        i = (k - (self.k_min - 1)).clamp_(0, self.overflow_bin)
+        i = (k - (self.k_min - 1)).clamp_(0, self.overflow_bin - 1)
         i = torch.where(abs_x < self.min_value, torch.zeros_like(i), i)
+        # the top regular bin reaches up to gamma^k_max >= max_value: above max_value is overflow
+        i = torch.where(abs_x > self.max_value, torch.full_like(i, self.overflow_bin), i)
         return i.to(torch.int64)
 
     def signed_index(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,6 +95,16 @@ class LogBins:
         edge = np.power(self.gamma, (k - 1).astype(np.float64))
         edge = np.where(b == 0, 0.0, edge)
         return np.where(b == self.overflow_bin, self.max_value, edge)
+
+
+def nearest_rank(q: float, total: np.ndarray) -> np.ndarray:
+    """1-based rank max(1, ceil(q n)) in exact integer arithmetic, q read as the fraction it
+    is written as (0.999 = 999/1000): a float product q * n may land just above an integer."""
+    frac = Fraction(repr(float(q))).limit_denominator(1_000_000)
+    num, den = frac.numerator, frac.denominator
+    n = np.asarray(total, dtype=np.int64)
+    whole, rest = np.divmod(n, den)                 # q n = num whole + num rest / den
+    return np.maximum(1, num * whole + -((-num * rest) // den))
 
 
 def quantiles_from_counts(
@@ -122,7 +135,7 @@ def quantiles_from_counts(
     start = np.concatenate(([0], np.cumsum(total)[:-1]))  # cumulative count before each group
     last = None if exact_max is None else np.asarray(exact_max, dtype=np.float64)
     for j, q in enumerate(qs):
-        rank = np.maximum(1, np.ceil(q * total - 1e-9)).astype(np.int64)  # nearest rank, 1-based
+        rank = nearest_rank(q, total)
         has = total > 0
         pos = np.searchsorted(cum, (start + rank)[has], side="left")
         gi = np.nonzero(has)[0]

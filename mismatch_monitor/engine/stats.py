@@ -50,18 +50,21 @@ class MismatchStats:
                              tuple(d for d in self.dims if d in by))
 
 
-def empty_table(table: str, dims: Sequence[str]) -> pd.DataFrame:
-    columns: dict[str, pd.Series] = {}
+def table_schema(table: str, dims: Sequence[str]) -> dict[str, str]:
+    """Column -> pandas dtype of a table, in column order: label dimensions are strings (null
+    when a batch does not give them), the turn bucket a nullable integer."""
+    schema: dict[str, str] = {}
     for key in key_columns(table, dims):
         if key in dims or key == "kind":
-            columns[key] = pd.Series([], dtype="string")
-        elif key == TURN_KEY:
-            columns[key] = pd.Series([], dtype="Int64")
+            schema[key] = "string"
         else:
-            columns[key] = pd.Series([], dtype="int64")
-    for f in TABLES[table][1]:
-        columns[f.name] = pd.Series([], dtype=f.dtype)
-    return pd.DataFrame(columns)
+            schema[key] = "Int64" if key == TURN_KEY else "int64"
+    schema.update({f.name: f.dtype for f in TABLES[table][1]})
+    return schema
+
+
+def empty_table(table: str, dims: Sequence[str]) -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series([], dtype=dt) for c, dt in table_schema(table, dims).items()})
 
 
 def _group(df: pd.DataFrame, table: str, by: list[str]) -> pd.DataFrame:
