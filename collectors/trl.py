@@ -112,10 +112,11 @@ class _EndOfStep(TrainerCallback):
     def __init__(self, trainer: "MismatchCaptureMixin") -> None:
         self.trainer = trainer
 
-    def on_step_end(self, args, state, control, **kwargs):   # global_step is already advanced
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # HF calls this after the optimizer step: global_step is already advanced
         self.trainer._mismatch_end_step(state.global_step)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         flush = getattr(self.trainer.mismatch_hook.collector, "flush", None)
         if flush is not None:
             flush()
@@ -147,7 +148,8 @@ class MismatchCaptureMixin:
         self.add_callback(_EndOfStep(self))
 
     # -------------------------------------------------------------- sampler side
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: dict,
+                              num_generations: int, has_tool_images: bool = False) -> tuple[list, list | None]:
         if self.use_vllm or self.use_transformers_continuous_batching:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         capture = SampledTokenLogProbs()
@@ -160,7 +162,7 @@ class MismatchCaptureMixin:
             self._mm_injected = True
         return completion_ids, logprobs
 
-    def _generate_and_score_completions(self, inputs):
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._mm_injected = False
         output = super()._generate_and_score_completions(inputs)
         sampler = output.pop("sampling_per_token_logps") if self._mm_injected else output.get("sampling_per_token_logps")
@@ -171,13 +173,13 @@ class MismatchCaptureMixin:
         return output
 
     # -------------------------------------------------------------- trainer side
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> tuple:
         result = super()._get_per_token_logps_and_entropies(*args, **kwargs)
         if self._mm_capture is not None:
             self._mm_capture.append(result[0].detach())
         return result
 
-    def _compute_loss(self, model, inputs):
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         self._mm_capture = []
         try:
             loss = super()._compute_loss(model, inputs)
@@ -219,7 +221,8 @@ class TRLMismatchScalars(TrainerCallback):
             "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/max")
         self.logs_seen = 0
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
+               **kwargs: Any) -> None:
         self.logs_seen += 1
         found = {f"trl/{prefix}{key}": float(logs[prefix + key])
                  for key in self.keys for prefix in ("", "eval_")
