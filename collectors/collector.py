@@ -5,6 +5,8 @@
             wandb.log(mc.log_step(step, trainer_logprobs=pi, sampler_logprobs=mu,
                                   response_mask=mask, labels={"pool": pools}), step=step)
 
+Alerts are evaluated in-process with the project's rules (``mismatch_monitor.alerts``) unless
+``alert_evaluator=None``; their events land in the run's ``alerts`` table.
 By default the collector never raises into training: an error is logged once per kind (with
 the full message), counted, and recorded in the step index; ``strict=True`` raises it instead.
 Callbacks (``on_alert``, ``on_resync``) that fail are logged and never break training either.
@@ -18,7 +20,7 @@ import math
 import os
 import time
 import weakref
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
 import pandas as pd
 
@@ -52,6 +54,21 @@ class Exporter(Protocol):
     def count_resync(self, pool: str) -> None: ...
 
 
+def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
+    """The project's alert rules; a restarted run first replays its stored history, so an alert
+    that was firing stays firing (and does not ask for a second resync)."""
+    from .. import query
+    from ..alerts import AlertEvaluator
+
+    con = query.connect()
+    if query.steps_index(con, run_dir).empty:
+        return AlertEvaluator()
+    history = query.metric_series(con, run_dir, ["pool"])
+    fleet = query.metric_series(con, run_dir)
+    evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet)
+    return evaluator
+
+
 def flatten_report(fleet: pd.DataFrame, by_pool: pd.DataFrame) -> dict[str, float]:
     """``mismatch/k3_kl`` for the whole step, ``mismatch/pool=fp8/k3_kl`` per pool; nulls omitted."""
     out: dict[str, float] = {}
@@ -83,7 +100,7 @@ class MismatchCollector:
         flush_every_steps: int = 10,
         flush_every_seconds: float = 30.0,
         exemplars_k: int = 16,
-        alert_evaluator: Evaluator | None = None,
+        alert_evaluator: Evaluator | Literal["default"] | None = "default",
         exporter: Exporter | None = None,
         reducer: Reducer | None = None,
         workers: int = 1,
@@ -97,7 +114,7 @@ class MismatchCollector:
         self.config = config or MetricConfig()
         self.strict = strict
         self.exemplars_k = exemplars_k
-        self.alert_evaluator = alert_evaluator
+        self.alert_evaluator = None if alert_evaluator == "default" else alert_evaluator
         self.exporter = exporter
         self.reducer = reducer
         self.workers = workers
@@ -115,6 +132,8 @@ class MismatchCollector:
                                     flush_every_steps=flush_every_steps,
                                     flush_every_seconds=flush_every_seconds, clock=clock,
                                     metadata=metadata)
+            if alert_evaluator == "default":
+                self.alert_evaluator = _default_evaluator(self.writer.run_dir)
             # flush what is buffered if the process exits without close() (finalize runs at exit)
             self._finalizer = weakref.finalize(self, RunWriter.close, self.writer)
 
