@@ -123,7 +123,7 @@ class Compare:
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         x = now.get(self.metric)
-        with np.errstate(invalid="ignore"):
+        with np.errstate(all="ignore"):
             hit = x > self.threshold if self.op == ">" else x < self.threshold
         return np.where(hit, x, np.nan)
 
@@ -184,7 +184,7 @@ class GrowthOverBaseline:
         prior = past.prior(self.metric, scope, now.pools, step, self.window_steps)
         base = np.array([prom_quantile(0.5, p) for p in prior], dtype=np.float64)
         count = np.array([len(p) for p in prior])
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(all="ignore"):
             ratio = x / base
             hit = (ratio > self.factor) & (x > self.floor) & (count >= self.min_points)
         return np.where(hit, ratio, np.nan)
@@ -229,7 +229,7 @@ class MeanAwayFromZero:
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         mean = np.abs(now.get(self.mean))
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(all="ignore"):
             z = mean / now.get(self.std_error)
             hit = (z > self.z) & (mean > self.floor)
         return np.where(hit, z, np.nan)
@@ -285,7 +285,7 @@ class OutlierAmongPools:
         reporting = x[~np.isnan(x)]
         if reporting.size < self.min_pools:
             return np.full(x.shape, np.nan)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(all="ignore"):
             ratio = x / prom_quantile(0.5, reporting)
             hit = (ratio > self.factor) & (x > self.floor)
         return np.where(hit, ratio, np.nan)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import numpy as np
 import pandas as pd
@@ -155,26 +155,29 @@ class AlertEvaluator:
     # ------------------------------------------------------------------ history
     @classmethod
     def replay(cls, history: pd.DataFrame, *, rules: tuple[AlertRule, ...] = DEFAULT_RULES,
-               fleet_history: pd.DataFrame | None = None,
+               fleet_history: pd.DataFrame | None = None, steps: Iterable[int] = (),
                resync_policy: ResyncPolicy = ResyncPolicy()) -> tuple["AlertEvaluator", list[AlertEvent]]:
         """Rebuild an evaluator from a metric history and return it with every event it emitted.
 
         ``history``: columns ``step``, ``pool``, metric keys and optionally ``wall_time``, one row
         per (step, pool), as ``query.metric_series(con, run_dir, ["pool"])`` returns it;
-        ``fleet_history``: the same without ``pool``, for fleet-scoped rules.
+        ``fleet_history``: the same without ``pool``, for fleet-scoped rules; ``steps``: steps
+        logged without any observation (``query.steps_index``), which resolve what was firing.
         """
         evaluator = cls(rules, resync_policy=resync_policy)
         events: list[AlertEvent] = []
-        for step, by_pool, fleet in iter_steps(history, fleet_history):
+        for step, by_pool, fleet in iter_steps(history, fleet_history, steps):
             wall = float(by_pool["wall_time"].iloc[0]) if "wall_time" in by_pool and len(by_pool) else math.nan
             events += evaluator.observe(step, wall, by_pool, fleet=fleet)
         return evaluator, events
 
 
-def iter_steps(history: pd.DataFrame, fleet_history: pd.DataFrame | None = None
+def iter_steps(history: pd.DataFrame, fleet_history: pd.DataFrame | None = None, extra_steps: Iterable[int] = ()
                ) -> Iterator[tuple[int, pd.DataFrame, pd.DataFrame | None]]:
-    """(step, per-pool rows, fleet row) for every step of either history, in order."""
+    """(step, per-pool rows, fleet row) for every step of either history (and ``extra_steps``),
+    in order."""
     steps = set(history["step"].astype(int)) if len(history) else set()
+    steps |= {int(s) for s in extra_steps}
     if fleet_history is not None and len(fleet_history):
         steps |= set(fleet_history["step"].astype(int))
     by_step = dict(tuple(history.groupby("step", sort=True))) if len(history) else {}

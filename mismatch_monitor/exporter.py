@@ -33,10 +33,12 @@ from prometheus_client.utils import floatToGoString
 
 from .config import MetricConfig
 from .engine import MismatchStats
+from .engine.fields import merge_rules
 from .engine.histogram import LogBins
-from .metrics import METRICS, prometheus_name, report
+from .metrics import METRICS, derive, prometheus_name
 
 UNKNOWN = "unknown"   # label value of rows logged without a pool or hardware
+TABLES = ("tokens", "sequences", "abs_hist")   # what metrics and counters read
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,11 @@ def _label(value: object) -> str:
     return UNKNOWN if value is None or pd.isna(value) else str(value)
 
 
+def _cells(stats: MismatchStats) -> MismatchStats:
+    """The (pool, hardware) cells of the tables the exporter reads."""
+    return MismatchStats({t: stats.tables[t] for t in TABLES}, stats.dims).marginal(["pool", "hardware"])
+
+
 class MismatchExporter:
     """A ``prometheus_client`` custom collector; the snapshot it serves is rebuilt per update,
     so a scrape never waits on, or sees half of, a step."""
@@ -107,7 +114,7 @@ class MismatchExporter:
     # ------------------------------------------------------------------ updates
     def observe(self, step: int, stats: MismatchStats) -> None:
         """Export one step: gauges take its values, counters and the histogram add its counts."""
-        cells = stats.marginal(["pool", "hardware"])
+        cells = _cells(stats)
         totals, buckets, abs_sum = self._cell_counts(cells)
         gauges = self._latest(cells)
         with self._lock:
@@ -123,8 +130,8 @@ class MismatchExporter:
              resyncs: Mapping[str, float] | None = None, step_time: float | None = None) -> None:
         """Replace the exported state: ``latest`` is the last step, ``cumulative`` every step
         merged (a stored run read back by ``mismatch-monitor serve``)."""
-        totals, buckets, abs_sum = self._cell_counts(cumulative.marginal(["pool", "hardware"]))
-        gauges = self._latest(latest.marginal(["pool", "hardware"]))
+        totals, buckets, abs_sum = self._cell_counts(_cells(cumulative))
+        gauges = self._latest(_cells(latest))
         with self._lock:
             self._totals, self._buckets, self._abs_sum = totals, buckets, abs_sum
             self._gauges = gauges
@@ -140,12 +147,23 @@ class MismatchExporter:
 
     # ------------------------------------------------------------------ derived values
     def _latest(self, cells: MismatchStats) -> list[tuple[dict[str, str], pd.Series]]:
+        """Metrics of every pool, every hardware and the fleet, in one merge and one ``derive``:
+        each (pool, hardware) cell is stacked under its three slice names, then merged by the
+        fields' own rules, as ``MismatchStats.marginal`` would per level."""
+        merged = {}
+        for table in TABLES:
+            df = cells[table]
+            levels = [df.assign(_slice="")]
+            for dim in ("pool", "hardware"):
+                levels.append(df.assign(_slice=[f"{dim}\0{_label(v)}" for v in df[dim]]))
+            stacked = pd.concat(levels, ignore_index=True)
+            keys = ["_slice"] + (["bin"] if table == "abs_hist" else [])
+            merged[table] = stacked.groupby(keys, sort=True).agg(merge_rules(table)).reset_index()
+        frame = derive(merged["tokens"], merged["sequences"], merged["abs_hist"], by=["_slice"], config=self.config)
         out: list[tuple[dict[str, str], pd.Series]] = []
-        fleet = report(cells, (), self.config)
-        out += [({}, row) for _, row in fleet.iterrows()]
-        for dim in ("pool", "hardware"):
-            frame = report(cells, [dim], self.config)
-            out += [({dim: _label(row[dim])}, row) for _, row in frame.iterrows()]
+        for _, row in frame.iterrows():
+            dim, _, value = str(row["_slice"]).partition("\0")
+            out.append(({dim: value} if dim else {}, row))
         return out
 
     def _cell_counts(self, cells: MismatchStats) -> tuple[dict, dict, dict]:
