@@ -8,7 +8,8 @@
 ``evaluator.py`` evaluates them over a run's metric history with the same semantics.
 """
 
-from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools, prom_quantile
+from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools
+from .promql import prom_quantile
 from .definitions import DEFAULT_RULES
 from .evaluator import AlertEvaluator, AlertEvent, ResyncPolicy
 from .render import render_rules

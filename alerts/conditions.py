@@ -9,7 +9,7 @@ training step is one evaluation interval of ``step_seconds``:
 * a missing or NaN value (an empty slice) is "no sample" on both sides, so it never fires;
 * a trailing window of ``W`` steps is the ``W`` steps *before* the current one: in PromQL the
   range ``[(W - 0.5) * step] offset step`` (Prometheus 2.x ranges include both ends);
-* medians interpolate as PromQL's ``quantile`` does (:func:`prom_quantile`).
+* medians interpolate as PromQL's ``quantile`` does (:func:`.promql.prom_quantile`).
 """
 
 from __future__ import annotations
@@ -22,44 +22,11 @@ import numpy as np
 
 from mismatch_monitor.metrics import METRIC_BY_KEY, prometheus_name
 
-Scope = Literal["pool", "fleet"]
-SELECTORS: dict[Scope, str] = {"pool": '{pool!=""}', "fleet": '{pool="",hardware=""}'}
+from .promql import Expression, Recording, Scope, duration, number, prom_quantile
+from .promql import series as _series
 
-
-def prom_quantile(q: float, values: Sequence[float] | np.ndarray) -> float:
-    """PromQL's ``quantile``/``quantile_over_time``: sort, then interpolate at rank q (n - 1)."""
-    v = np.sort(np.asarray(values, dtype=np.float64))
-    if v.size == 0:
-        return math.nan
-    rank = q * (v.size - 1)
-    lower = max(0, math.floor(rank))
-    upper = min(v.size - 1, lower + 1)
-    weight = rank - math.floor(rank)
-    return float(v[lower] * (1 - weight) + v[upper] * weight)
-
-
-def duration(seconds: float) -> str:
-    """A PromQL duration: whole seconds as ``Ns``, otherwise milliseconds."""
-    ms = round(seconds * 1000)
-    if abs(ms - seconds * 1000) > 1e-6 or ms < 0:
-        raise ValueError(f"expected a non-negative whole number of milliseconds, got {seconds} s")
-    return f"{ms // 1000}s" if ms % 1000 == 0 else f"{ms}ms"
-
-
-def number(x: float) -> str:
-    return repr(float(x))
-
-
-@dataclass(frozen=True)
-class Recording:
-    record: str
-    expr: str
-
-
-@dataclass(frozen=True)
-class Expression:
-    expr: str
-    recordings: tuple[Recording, ...] = ()
+__all__ = ["Compare", "GrowthOverBaseline", "MeanAwayFromZero", "OutlierAmongPools", "Condition", "Snapshot",
+           "Past", "Scope"]
 
 
 @dataclass(frozen=True)
@@ -86,10 +53,6 @@ def _check_metric(key: str) -> None:
 def _positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"expected {name} > 0, got {value}")
-
-
-def _series(key: str, scope: Scope) -> str:
-    return prometheus_name(key) + SELECTORS[scope]
 
 
 @dataclass(frozen=True)

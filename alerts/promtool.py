@@ -20,7 +20,7 @@ import pandas as pd
 
 from mismatch_monitor.metrics import prometheus_name
 
-from .conditions import duration
+from .promql import duration
 from .definitions import DEFAULT_RULES
 from .evaluator import UNKNOWN_POOL, AlertEvaluator, iter_steps
 from .rules import AlertRule

@@ -19,7 +19,7 @@ from typing import Any
 
 from mismatch_monitor.exporter import COUNTER_BY_FIELD, HISTOGRAM
 
-from .conditions import Recording, duration
+from .promql import Recording, duration
 from .definitions import DEFAULT_RULES
 from .rules import AlertRule, check_rules
 from .yaml_text import dump

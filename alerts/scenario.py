@@ -18,7 +18,7 @@ from mismatch_monitor.engine.histogram import LogBins
 from mismatch_monitor.config import MetricConfig
 from prometheus_client.utils import floatToGoString
 
-from .conditions import duration
+from .promql import duration
 
 STEPS = 90
 POOLS = ("bf16", "fp8", "int4", "tpu")
