@@ -88,7 +88,7 @@ def trainer_token_logprobs(logp: torch.Tensor, padded: Padded, pools: dict[str, 
 
 def token_batch(padded: Padded, trainer_logprobs: torch.Tensor, support: torch.Tensor,
                 trainer_experts: torch.Tensor | None, labels: dict[str, list[str]],
-                advantages: torch.Tensor, trainer_version: int, multi_turn: bool) -> TokenBatch:
+                advantages: torch.Tensor | None, trainer_version: int, multi_turn: bool) -> TokenBatch:
     """The step's batch as the monitor receives it (every tensor detached)."""
     return TokenBatch.from_padded(
         trainer_logprobs.detach(), padded.sampler_logprobs, padded.response_mask,
@@ -96,7 +96,7 @@ def token_batch(padded: Padded, trainer_logprobs: torch.Tensor, support: torch.T
         turn_index=padded.turn_index if multi_turn else None,
         policy_version=padded.policy_version,
         trainer_version=trainer_version,
-        advantages=advantages.to(torch.float32),
+        advantages=None if advantages is None else advantages.to(torch.float32),
         trainer_experts=trainer_experts,
         sampler_experts=padded.sampler_experts,
         in_trainer_support=support,

@@ -30,7 +30,8 @@ class SimConfig:
         task: the toy task (single- or multi-turn).
         alphabet: letters of the task and the tokenizer.
         group_size: GRPO group: answers per prompt, advantages normalised within it.
-        temperature: sampling temperature the trainer scores at (and every healthy pool samples at).
+        temperature: sampling temperature the trainer scores at (and every healthy pool samples
+            at); below 1 so that a pool that ignores it samples from a different distribution.
         learning_rate, grad_clip: AdamW step size and gradient-norm clip of the RL trainer.
         correction: off-policy correction in the loss: ``none``, ``tis`` or ``mis``.
         thresholds: the cap and band the correction uses (shared with the monitor).
@@ -45,8 +46,8 @@ class SimConfig:
     task: StringTask = field(default_factory=StringTask)
     alphabet: str = "abcdefgh"
     group_size: int = 8
-    temperature: float = 0.8
-    learning_rate: float = 1e-3
+    temperature: float = 0.9
+    learning_rate: float = 1e-4
     grad_clip: float = 1.0
     correction: Correction = "tis"
     thresholds: MetricConfig = field(default_factory=MetricConfig)

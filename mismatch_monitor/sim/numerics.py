@@ -13,16 +13,17 @@ from typing import Literal, Mapping
 
 import torch
 
-Precision = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4", "int3"]
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4", "int3")
+Precision = Literal["fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4", "int3", "int2"]
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4", "int3", "int2")
 Dtype = Literal["fp32", "fp16", "bf16"]
 
 TORCH_DTYPE: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 COMPUTE_DTYPE: dict[str, torch.dtype] = {
     "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
     "fp8_e4m3": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16, "int3": torch.bfloat16,
+    "int2": torch.bfloat16,
 }
-INT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "int3": 3}
+INT_BITS: dict[str, int] = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 # Parameter-name pieces of the decoder-layer linear weights (dense MLP, attention, MoE experts).

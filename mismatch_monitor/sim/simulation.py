@@ -15,15 +15,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 from ..batch import TokenBatch
-from .batching import pad_rollouts, token_batch, trainer_token_logprobs
+from .batching import Padded, pad_rollouts, token_batch, trainer_token_logprobs
 from .config import SimConfig
 from .policy import build_model, model_config
-from .sampler import PoolSampler
+from .pools import PoolSpec
+from .sampler import PoolSampler, Rollout
 from .task import Episode
 from .tokenizer import CharTokenizer
 from .trainer import Trainer
@@ -115,6 +116,7 @@ class Simulation:
             bar.close()
 
     def next_step(self) -> SimStep:
+        """Sync, sample, score and update once."""
         cfg, s, t0 = self.config, self._step, time.perf_counter()
         version = self.trainer.version
         self._sync(s, version)
@@ -123,18 +125,12 @@ class Simulation:
         for index, spec in enumerate(cfg.pools):
             prompts = cfg.task.sample(spec.prompts, episode_gen, cfg.alphabet)
             group = [ep for ep in prompts for _ in range(cfg.group_size)]
-            rollouts += self.samplers[spec.name].rollout(
-                group, temperature=cfg.temperature, max_new_tokens=cfg.task.max_answer_tokens() + 2,
-                seed=_seed(cfg.seed, 3, s, index), ignore_temperature=spec.ignores_temperature_at(s))
+            rollouts += self._rollout(self.samplers[spec.name], group, _seed(cfg.seed, 3, s, index), s)
             specs += [spec] * len(group)
             episodes += group
         rewards = torch.tensor([ep.reward(r.answers) for ep, r in zip(episodes, rollouts)], dtype=torch.float64)
         advantages = self._advantages(rewards)
-        padded = pad_rollouts(rollouts, specs, self.tokenizer.vocab_size, self.tokenizer.pad_id)
-        logp, trainer_experts = self.trainer.score(padded.ids, padded.attention_mask, cfg.temperature)
-        token_lp, support = trainer_token_logprobs(logp, padded, {p.name: p for p in cfg.pools})
-        batch = token_batch(padded, token_lp, support, trainer_experts, self._labels(specs, episodes),
-                            advantages, version, cfg.task.turns > 1)
+        padded, logp, token_lp, batch = self._score(rollouts, specs, episodes, advantages, version)
         mask = padded.response_mask
         with torch.no_grad():
             entropy = float(-(logp.exp() * logp).sum(-1)[mask].mean())
@@ -146,6 +142,26 @@ class Simulation:
         return SimStep(step=s, batch=batch, reward_mean=float(rewards.mean()), reward_by_pool=by_pool,
                        loss=loss, grad_norm=grad_norm, entropy=entropy, trainer_version=version,
                        seconds=time.perf_counter() - t0)
+
+    def probe(self, pools: Sequence[PoolSpec], episodes: Sequence[Episode], *, seed: int = 0) -> TokenBatch:
+        """Every pool in ``pools`` answers the same ``episodes``; the trainer scores; no update.
+
+        Each probe pool holds the weights its ``lag`` gives at the current trainer version (as
+        far back as the kept history reaches) in its format at the current step. For
+        measurements that compare numeric paths on identical prompts.
+        """
+        states = dict(self._history)
+        version = self.trainer.version
+        rollouts, specs, all_episodes = [], [], []
+        for index, spec in enumerate(pools):
+            sampler = PoolSampler(spec, self._model_config, self.tokenizer)
+            target = max(version - spec.lag, min(states))
+            sampler.load(states[target], target, spec.precision_at(self._step))
+            rollouts += self._rollout(sampler, list(episodes), _seed(seed, 4, index), self._step)
+            specs += [spec] * len(episodes)
+            all_episodes += list(episodes)
+        with torch.no_grad():
+            return self._score(rollouts, specs, all_episodes, None, version)[3]
 
     # ------------------------------------------------------------------ internals
     def _sync(self, step: int, version: int) -> None:
@@ -169,6 +185,22 @@ class Simulation:
                 sampler.load(state, target, precision)
         self._resync.clear()
 
+    def _rollout(self, sampler: PoolSampler, episodes: list[Episode], seed: int, step: int) -> list[Rollout]:
+        return sampler.rollout(episodes, temperature=self.config.temperature,
+                               max_new_tokens=self.config.task.max_answer_tokens() + 2, seed=seed,
+                               ignore_temperature=sampler.spec.ignores_temperature_at(step))
+
+    def _score(self, rollouts: list[Rollout], specs: list[PoolSpec], episodes: list[Episode],
+               advantages: torch.Tensor | None, version: int
+               ) -> tuple[Padded, torch.Tensor, torch.Tensor, TokenBatch]:
+        """Pad, re-score in fp32 and build the batch: (padded, logp [B, T, V], log pi [B, T], batch)."""
+        padded = pad_rollouts(rollouts, specs, self.tokenizer.vocab_size, self.tokenizer.pad_id)
+        logp, trainer_experts = self.trainer.score(padded.ids, padded.attention_mask, self.config.temperature)
+        token_lp, support = trainer_token_logprobs(logp, padded, {p.name: p for p in specs})
+        batch = token_batch(padded, token_lp, support, trainer_experts, self._labels(specs, episodes),
+                            advantages, version, self.config.task.turns > 1)
+        return padded, logp, token_lp, batch
+
     def _advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """Group-normalised advantages: (r - group mean) / (group std + 1e-6), groups contiguous."""
         groups = rewards.view(-1, self.config.group_size)
@@ -176,7 +208,7 @@ class Simulation:
         return (centred / (groups.std(1, unbiased=False, keepdim=True) + 1e-6)).view(-1)
 
     @staticmethod
-    def _labels(specs: list, episodes: list[Episode]) -> dict[str, list[str]]:
+    def _labels(specs: list[PoolSpec], episodes: list[Episode]) -> dict[str, list[str]]:
         meta = [spec.metadata() for spec in specs]
         return {"pool": [spec.name for spec in specs],
                 **{key: [m[key] for m in meta] for key in ("hardware", "precision", "engine")},

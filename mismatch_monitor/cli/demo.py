@@ -1,0 +1,203 @@
+"""``mismatch-monitor demo``: a live simulated RL run, written to a run directory as it trains.
+
+The one place (with ``sample_data``) that wires simulator -> collector -> alerts: every step's
+batch goes through :class:`MismatchCollector` with the default alert rules, and each resync the
+alerts ask for is handed back to the simulator, which pushes fresh weights to that pool.
+
+    mismatch-monitor demo                                  # fault_midrun, MoE, 200 steps
+    mismatch-monitor demo --scenario stable_fleet --variant dense --steps 100 --dashboard
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..sim import SCENARIOS, SimConfig, Simulation, scenario
+from ..sim.pools import FAULT_KINDS
+
+
+@dataclass
+class RunResult:
+    """What a simulated run did, for the closing summary and the benchmark."""
+
+    run_dir: Path
+    steps: int = 0
+    seconds_total: float = 0.0
+    seconds_collector: float = 0.0
+    seconds_setup: float = 0.0
+    rewards: list[float] = field(default_factory=list)
+    rewards_by_pool: list[dict[str, float]] = field(default_factory=list)
+    firing: list[str] = field(default_factory=list)
+    resyncs: list[tuple[int, str]] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="fault_midrun",
+                        help="which fleet to simulate (default fault_midrun)")
+    parser.add_argument("--fault", choices=FAULT_KINDS, default="stop_sync",
+                        help="the fault of fault_midrun, switched on at steps // 2 (default stop_sync)")
+    parser.add_argument("--variant", choices=("dense", "moe"), default="moe",
+                        help="toy Qwen3 (dense) or Qwen3-MoE with 8 experts, top-2 (default moe)")
+    parser.add_argument("--steps", type=int, default=200, help="RL steps (default 200)")
+    parser.add_argument("--seed", type=int, default=0, help="seed; a run is reproducible from it")
+    parser.add_argument("--correction", choices=("none", "tis", "mis"), default=None,
+                        help="override the scenario's off-policy correction")
+    parser.add_argument("--warmstart-steps", type=int, default=None,
+                        help="override the supervised warm-start steps (default 200)")
+    parser.add_argument("--runs-root", default="runs", help="where run directories go (default ./runs)")
+    parser.add_argument("--name", default=None,
+                        help="run directory name (default <scenario>-<variant>-<timestamp>)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
+    parser.add_argument("--no-alerts", action="store_true", help="no alert evaluation, no resync loop")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="also serve Prometheus /metrics on 127.0.0.1:PORT while running")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="start the dashboard on the runs root, following the run; Ctrl-C stops it")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def build_config(args: argparse.Namespace) -> SimConfig:
+    options: dict[str, Any] = {"fault": args.fault} if args.scenario == "fault_midrun" else {}
+    config = scenario(args.scenario, steps=args.steps, variant=args.variant, seed=args.seed, **options)
+    if args.correction is not None:
+        config = replace(config, correction=args.correction)
+    if args.warmstart_steps is not None:
+        config = replace(config, warmstart_steps=args.warmstart_steps)
+    return config
+
+
+def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alerts: bool = True,
+             progress: bool = True, exporter: Any = None, metadata: dict[str, Any] | None = None,
+             echo: bool = True) -> RunResult:
+    """Run ``config`` for ``steps`` steps through a collector writing ``run_dir``."""
+    from ..collectors import MismatchCollector
+
+    t0 = time.perf_counter()
+    sim = Simulation(config)
+    result = RunResult(run_dir=run_dir, seconds_setup=time.perf_counter() - t0)
+    evaluator = _alert_evaluator() if alerts else None
+    meta = {"simulator": {"config": asdict(config), **(metadata or {})}}
+    collector = MismatchCollector(run_dir, config=config.thresholds, run_id=run_id,
+                                  pools=sim.pool_metadata(), alert_evaluator=evaluator,
+                                  exporter=exporter, metadata=meta)
+
+    def on_resync(event: Any) -> None:
+        pool = event.pool if event.pool in sim.samplers else None   # fleet-wide: every pool
+        sim.resync(pool)
+        result.resyncs.append((int(event.step), pool or "*"))
+
+    def on_alert(event: Any) -> None:
+        if event.state == "firing":
+            line = f"step {event.step}: [{event.severity}] {event.alert} pool={event.pool}: {event.summary}"
+            result.firing.append(line)
+            if echo:
+                _write(line)
+
+    collector.on_resync(on_resync)
+    collector.on_alert(on_alert)
+    with collector:
+        for out in sim.run(steps, progress=progress):
+            t = time.perf_counter()
+            collector.log_step(out.step, out.batch)
+            result.seconds_collector += time.perf_counter() - t
+            result.rewards.append(out.reward_mean)
+            result.rewards_by_pool.append(out.reward_by_pool)
+            result.steps += 1
+    result.seconds_total = time.perf_counter() - t0
+    return result
+
+
+def _alert_evaluator() -> Any:
+    try:
+        from ..alerts import AlertEvaluator
+    except ImportError as exc:   # alerts are optional for a demo run
+        _write(f"alerts unavailable ({exc}); running without alert evaluation")
+        return None
+    return AlertEvaluator()
+
+
+def _write(line: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise ValueError(f"expected --steps >= 1, got {args.steps}")
+    config = build_config(args)
+    name = args.name or f"{args.scenario}-{args.variant}-{time.strftime('%Y%m%d-%H%M%S')}"
+    root = Path(args.runs_root)
+    run_dir = root / name
+    if run_dir.exists():
+        if not args.overwrite:
+            raise ValueError(f"run directory {run_dir} exists; pass --overwrite or another --name")
+        shutil.rmtree(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    exporter = _exporter(args.metrics_port)
+    dashboard = _start_dashboard(root) if args.dashboard else None
+    print(f"demo: scenario {args.scenario} ({config.policy.variant}, {len(config.pools)} pools, "
+          f"correction {config.correction}, seed {config.seed}), {args.steps} steps")
+    print(f"demo: writing run {run_dir.resolve()}")
+    try:
+        result = simulate(config, run_dir, steps=args.steps, run_id=name, alerts=not args.no_alerts,
+                          progress=not args.quiet, exporter=exporter,
+                          metadata={"scenario": args.scenario, "steps": args.steps})
+        print_summary(result)
+        if dashboard is not None:
+            print("demo: the dashboard keeps serving the run; Ctrl-C stops it")
+            dashboard.wait()
+    except KeyboardInterrupt:
+        print("demo: interrupted", file=sys.stderr)
+    finally:
+        if exporter is not None:
+            exporter.stop()
+        if dashboard is not None and dashboard.poll() is None:
+            dashboard.terminate()
+            dashboard.wait(timeout=10)
+    return 0
+
+
+def print_summary(result: RunResult) -> None:
+    from . import summary
+
+    r = result.rewards
+    head, tail = r[: max(1, len(r) // 10)], r[-max(1, len(r) // 10):]
+    loop = result.seconds_total - result.seconds_setup
+    print(f"\ndemo: {result.steps} steps in {result.seconds_total:.1f} s (setup {result.seconds_setup:.1f} s, "
+          f"{result.steps / max(loop, 1e-9):.2f} steps/s, collector {result.seconds_collector / max(loop, 1e-9):.0%} "
+          f"of the loop)")
+    print(f"demo: mean reward {sum(head) / len(head):.3f} over the first tenth of the steps, "
+          f"{sum(tail) / len(tail):.3f} over the last")
+    print(f"demo: {len(result.firing)} alert firing(s), {len(result.resyncs)} resync(s)"
+          + (f": {', '.join(f'{p}@{s}' for s, p in result.resyncs[:8])}" if result.resyncs else ""))
+    print(f"demo: run directory {result.run_dir.resolve()}\n")
+    summary.run(argparse.Namespace(run_dir=str(result.run_dir), worst=5))
+
+
+def _exporter(port: int | None) -> Any:
+    if port is None:
+        return None
+    from ..exporter import MismatchExporter
+
+    exporter = MismatchExporter()
+    bound = exporter.start(port, addr="127.0.0.1")
+    print(f"demo: Prometheus metrics on http://127.0.0.1:{bound}/metrics")
+    return exporter
+
+
+def _start_dashboard(root: Path) -> subprocess.Popen[bytes] | None:
+    try:
+        from .dashboard import streamlit_command
+    except ImportError as exc:
+        print(f"demo: dashboard unavailable ({exc})", file=sys.stderr)
+        return None
+    print("demo: dashboard on http://127.0.0.1:8501")
+    return subprocess.Popen(streamlit_command(root.resolve(), port=8501, address="127.0.0.1"))
