@@ -5,6 +5,7 @@ Runs Debian's promtool and amtool (``.ci/run`` installs them). Runtime: about 4 
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 
@@ -15,6 +16,7 @@ from mismatch_monitor.alerts.files import stale_files
 from mismatch_monitor.alerts.promtool import run_tool
 from mismatch_monitor.alerts.render import ALERTMANAGER_EXAMPLE, RULES_FILE, RULES_TEST_FILE
 from mismatch_monitor.alerts.scenario import INCIDENTS, scenario_history
+from mismatch_monitor.cli import alerts as alerts_command
 
 
 def ok(result) -> bool:
@@ -89,3 +91,18 @@ def test_alertmanager_example_routes_resyncs_to_the_webhook():
     tail = {"alertname": "MismatchTailGrowth", **DEFAULT_RULES[0].labels, "pool": "fp8"}
     assert receivers(*(f"{k}={v}" for k, v in low_ess.items())) == "trainer-resync,mismatch-default"
     assert receivers(*(f"{k}={v}" for k, v in tail.items())) == "mismatch-default"
+
+
+def test_alerts_command_renders_and_checks(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    alerts_command.add_arguments(parser)
+
+    def main(argv: list[str]) -> int:
+        return alerts_command.run(parser.parse_args(argv))
+
+    assert main(["render", "--step-seconds", "30", "--out", str(tmp_path / "r.yml")]) == 0
+    assert "for one training step every 30s" in (tmp_path / "r.yml").read_text()
+    assert ok(run_tool("promtool", "check", "rules", "r.yml", cwd=tmp_path))
+    assert main(["check"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("ok: ") == 3 and "stale" not in out

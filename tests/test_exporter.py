@@ -31,6 +31,9 @@ from mismatch_monitor.exporter import COUNTERS, HISTOGRAM, MismatchExporter
 POOLS = ["bf16", "bf16", "fp8", "fp8", "fp8", "int4"]
 HARDWARE = ["H100", "MI300", "H100", "H100", "MI300", "L40S"]
 NOISE = {"bf16": 0.02, "fp8": 0.3, "int4": 0.9}
+# `mismatch-monitor serve ...` through its module (the full CLI imports every command first)
+SERVE = ("import argparse, sys; from mismatch_monitor.cli import serve; p = argparse.ArgumentParser(); "
+         "serve.add_arguments(p); sys.exit(serve.run(p.parse_args(sys.argv[1:])))")
 
 
 def make_batch(seed: int, pools=POOLS, hardware=HARDWARE, tokens: int = 200, nan_pool: str | None = None):
@@ -187,9 +190,8 @@ def test_serve_exports_a_stored_run_like_the_live_exporter(tmp_path):
         assert got[k] == pytest.approx(v, rel=1e-9, abs=1e-15), k
 
     # the command itself, in its own process, stopped by PID
-    proc = subprocess.Popen([sys.executable, "-c", "import sys; from mismatch_monitor.cli import main; "
-                             "sys.exit(main(sys.argv[1:]))", "serve", str(run), "--port", "0",
-                             "--poll-seconds", "0.5"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(run), "--port", "0", "--poll-seconds", "0.5"],
+                            stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith(f"serving {run} on http://127.0.0.1:"), line
