@@ -1,0 +1,7 @@
+"""The Streamlit dashboard: ``mismatch-monitor dashboard [RUNS_ROOT]``.
+
+``main.py`` is the entry script; each ``page_*.py`` only lays out. Queries come from
+``loaders.py`` (one plain function per page over :mod:`mismatch_monitor.query`), cached in
+``data.py``; charts come from ``figures.py`` and ``heatmaps.py`` (plain functions returning
+plotly figures). Nothing here runs at import time.
+"""

@@ -1,0 +1,142 @@
+"""Pieces every page lays out the same way: header and empty states, live refresh, charts,
+headline numbers. Values are formatted here once; a null is shown as "—" (no observation)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from mismatch_monitor.metrics import METRIC_BY_KEY
+
+from .loaders import ESS, Span
+from .state import View
+
+NO_VALUE = "—"
+HIGHER_IS_BETTER = frozenset({ESS, "mismatch/ess_capped"})
+
+
+def format_value(key: str, value: Any) -> str:
+    """A metric value for display: fractions in percent, counts with separators, else 4 significant
+    digits; "—" for no observation."""
+    if value is None or (not isinstance(value, str) and pd.isna(value)):
+        return NO_VALUE
+    v = float(value)
+    if math.isinf(v):
+        return "∞" if v > 0 else "-∞"
+    if key.endswith(("fraction", "share", "flip_rate")):
+        return f"{100.0 * v:.4g}%"
+    unit = METRIC_BY_KEY[key].unit if key in METRIC_BY_KEY else ""
+    if unit in ("tokens", "sequences"):
+        return f"{v:,.0f}"
+    return f"{v:.4g}"
+
+
+def metric_label(key: str) -> str:
+    metric = METRIC_BY_KEY.get(key)
+    return metric.label if metric is not None else key
+
+
+def trend(frame: pd.DataFrame, metric: str) -> float:
+    """Change of ``metric`` across ``frame``'s steps by a least-squares line (null under 3 points)."""
+    if not len(frame):
+        return math.nan
+    steps = frame["step"].to_numpy(np.float64)
+    values = frame[metric].to_numpy(np.float64)
+    ok = np.isfinite(values)
+    if ok.sum() < 3 or np.ptp(steps[ok]) == 0:
+        return math.nan
+    slope = np.polyfit(steps[ok], values[ok], 1)[0]
+    return float(slope * np.ptp(steps[ok]))
+
+
+def headline(container: Any, key: str, value: Any, recent: pd.DataFrame | None, *,
+             label: str | None = None) -> None:
+    """A headline number with its sparkline (recent steps) and trend (change across them)."""
+    points = recent[key].dropna().tolist() if recent is not None and len(recent) else []
+    change = trend(recent, key) if recent is not None and len(recent) else math.nan
+    delta = None
+    if math.isfinite(change):
+        delta = f"{'-' if change < 0 else '+'}{format_value(key, abs(change))} over {len(recent)} steps"
+    container.metric(label or metric_label(key), format_value(key, value), delta=delta,
+                     delta_color="normal" if key in HIGHER_IS_BETTER else "inverse",
+                     chart_data=points or None, chart_type="line", border=True,
+                     help=METRIC_BY_KEY[key].description if key in METRIC_BY_KEY else None)
+
+
+def page_header(title: str, view: View, purpose: str) -> bool:
+    """Title, purpose, notices. False (after an explicit empty state) when no run can be shown."""
+    st.title(title)
+    st.caption(purpose)
+    if view.notice:
+        st.error(view.notice, icon=":material/block:")
+    if view.run_dir is None:
+        st.info(f"No run to show. The runs root `{view.root}` holds no run directory yet: log steps with "
+                "`MismatchCollector(run_dir)` under it, or start the dashboard on another root with "
+                "`mismatch-monitor dashboard RUNS_ROOT`.", icon=":material/folder_open:")
+        return False
+    return True
+
+
+def when(wall_time: float | None) -> str:
+    if wall_time is None or pd.isna(wall_time):
+        return NO_VALUE
+    return datetime.fromtimestamp(float(wall_time), tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def run_caption(view: View, span: Span | None, index: pd.DataFrame) -> None:
+    status = view.status or "?"
+    if span is None:
+        st.caption(f"Run **{view.run_name}** · {status} · no visible step")
+        return
+    binned = f" · shown in bins of {span.width} steps" if span.width > 1 else ""
+    last_wall = index["wall_time"].max() if len(index) else None
+    st.caption(f"Run **{view.run_name}** · {status} · steps {span.first}–{span.last} "
+               f"({span.n_steps} logged){binned} · last update {when(last_wall)}")
+
+
+def no_steps(what: str = "this page") -> None:
+    st.info(f"No visible step yet, so nothing to show on {what}. A run becomes visible at its first "
+            "flush (every `flush_every_steps` steps, on `flush()` or on `close()`); data files written "
+            "without their steps index (a flush cut short) are ignored.", icon=":material/hourglass_empty:")
+
+
+def empty(message: str) -> None:
+    st.info(message, icon=":material/info:")
+
+
+def chart(fig: go.Figure, key: str) -> None:
+    # theme=None: the figure's own colour scales (Streamlit's theme would recolour heatmaps)
+    st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False})
+
+
+def live(body: Callable[[], None], view: View) -> None:
+    """Run ``body`` once, or as a fragment that reruns every ``view.refresh`` seconds while the run
+    is live; widgets drawn outside ``body`` keep their state across refreshes."""
+    if view.live:
+        st.fragment(body, run_every=view.refresh)()
+    else:
+        body()
+
+
+def metric_table(frame: pd.DataFrame, keys: list[str], by: list[str]) -> pd.DataFrame:
+    """Formatted values, one row per group: what the tables on the pages show."""
+    out = pd.DataFrame({col: frame[col].map(lambda v: "(none)" if pd.isna(v) else str(v)) for col in by})
+    for key in keys:
+        out[metric_label(key)] = [format_value(key, v) for v in frame[key]]
+    return out
+
+
+ALL_POOLS = "all pools"
+
+
+def pool_picker(pools: list[Any], key: str, label: str = "Pool") -> str | None:
+    """A pool selector bound to the URL; None means every pool merged."""
+    choice = st.selectbox(label, [ALL_POOLS, *[p for p in pools if p is not None]], key=key,
+                          bind="query-params")
+    return None if choice in (None, ALL_POOLS) else str(choice)

@@ -1,0 +1,55 @@
+"""Alerts and resyncs: every alert event and resync trigger, over the metric it fired on."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from mismatch_monitor.app import data, layout, loaders, state, timeline
+from mismatch_monitor.query import firing_alerts
+
+view = state.current()
+
+if layout.page_header("Alerts and resyncs", view, "When each alert fired and resolved, and when a resync "
+                      "was requested, drawn on the metric the alert watches."):
+    events = data.load("alerts", view.run_dir, **view.params)["events"]
+    names = sorted(events["alert"].dropna().unique().tolist()) if len(events) else []
+    chosen = st.selectbox("Alert", names, key="alerts_alert", bind="query-params") if names else None
+    metric = loaders.alert_metrics(events).get(chosen) if chosen else None
+
+    def body() -> None:
+        d = data.load("alerts", view.run_dir, **view.params, metric=metric)
+        span = d["span"]
+        layout.run_caption(view, span, d["index"])
+        if span is None:
+            layout.no_steps("the alerts page")
+            return
+        ev = d["events"]
+        if not len(ev):
+            layout.empty("No alert event in the steps shown. Alerts are evaluated when the collector is "
+                         "given an evaluator (`MismatchCollector(..., alert_evaluator=AlertEvaluator())`) "
+                         "or by Prometheus from `alerts/mismatch_rules.yml`.")
+            return
+        firing = firing_alerts(ev)
+        resyncs = ev[(ev["state"] == "firing") & ev["resync"].fillna(False).astype(bool)]
+        cols = st.columns(4)
+        cols[0].metric("alert events", f"{len(ev):,}")
+        cols[1].metric("firing now", f"{len(firing):,}")
+        cols[2].metric("resync triggers", f"{len(resyncs):,}")
+        cols[3].metric("alerts", f"{ev['alert'].nunique():,}")
+        if metric is None:
+            layout.empty(f"The alert {chosen!r} names no metric known to this version.")
+        else:
+            st.subheader(f"{chosen} on {layout.metric_label(metric)}")
+            mine = ev[ev["alert"] == chosen]
+            layout.chart(timeline.alert_timeline(d["series"], mine, metric, metric_label=layout.metric_label(metric),
+                                                 x=view.x, smoothing=view.smoothing, first=span.first,
+                                                 width=span.width), key="alerts_timeline")
+            last = mine.iloc[-1]
+            with st.expander(f"Runbook: {chosen}"):
+                st.markdown(str(last.get("runbook") or "—"))
+        st.subheader("All events (newest first)")
+        shown = [c for c in ("step", "alert", "severity", "pool", "state", "value", "threshold", "resync",
+                             "summary") if c in ev.columns]
+        st.dataframe(ev.sort_values("step", ascending=False)[shown], hide_index=True, width="stretch")
+
+    layout.live(body, view)

@@ -1,0 +1,41 @@
+"""Low-probability buckets: where the bias concentrates, by the sampler's token probability."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from mismatch_monitor.app import data, figures, heatmaps, layout, loaders, state
+
+view = state.current()
+
+if layout.page_header("Low-probability buckets", view, "Mean |log ρ| and k3 per sampler-probability "
+                      "bucket over steps: errors concentrate on rare tokens, which carry large gradients."):
+    pool = layout.pool_picker(data.meta(view.run_dir)["pools"], key="lowprob_pool")
+
+    def body() -> None:
+        d = data.load("lowprob", view.run_dir, **view.params, pool=pool)
+        span = d["span"]
+        layout.run_caption(view, span, d["index"])
+        if span is None:
+            layout.no_steps("the low-probability page")
+            return
+        buckets = d["buckets"]
+        if not len(buckets):
+            layout.empty("No token in the steps shown.")
+            return
+        names = loaders.bucket_labels(d["config"].lowprob_edges, what="p", integer=False)
+        order = sorted(names)
+        for value, title in (("mean_abs_lr", "mean |log ρ|"), ("k3_kl", "k3 KL")):
+            st.subheader(f"{title} per sampler-probability bucket")
+            layout.chart(heatmaps.bucket_heatmap(buckets, value, "bucket", labels=names, order=order, x=view.x,
+                                                 width=span.width, value_title=title,
+                                                 y_title="sampler probability"), key=f"lowprob_{value}")
+            layout.chart(figures.line_figure(buckets, value, group="bucket", labels=names, x=view.x,
+                                             smoothing=view.smoothing, width=span.width, y_title=title),
+                         key=f"lowprob_{value}_lines")
+        st.subheader("Tokens per bucket (steps shown)")
+        totals = d["totals"].assign(bucket=d["totals"]["bucket"].map(names))
+        st.dataframe(totals[["bucket", "n_tokens", "share", "mean_abs_lr", "k3_kl"]], hide_index=True,
+                     width="stretch", column_config={"share": st.column_config.NumberColumn(format="percent")})
+
+    layout.live(body, view)

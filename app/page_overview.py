@@ -1,0 +1,70 @@
+"""Overview: the runs under the root, what is firing, and the headline numbers with their trend."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from mismatch_monitor.app import data, figures, layout, loaders, state
+from mismatch_monitor.app.state import STATUS_MARK
+from mismatch_monitor.query import firing_alerts
+
+view = state.current()
+
+if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and is anything firing? "
+                      "Headline numbers are the latest step with observations; sparklines and trends "
+                      f"cover the last {loaders.SPARK_STEPS} steps."):
+    with st.expander("Runs under the root", expanded=len(view.run_names) > 1):
+        runs = data.catalog(view.root)
+        st.dataframe(runs.assign(status=runs["status"].map(lambda s: STATUS_MARK.get(s, s)),
+                                 last_update=runs["last_update"].map(layout.when))
+                     [["name", "run_id", "status", "steps", "last_step", "last_update", "pools"]],
+                     hide_index=True, width="stretch")
+
+    def body() -> None:
+        d = data.load("overview", view.run_dir, **view.params)
+        span = d["span"]
+        layout.run_caption(view, span, d["index"])
+        if span is None:
+            layout.no_steps("the overview")
+            return
+        events = d["events"]
+        firing = firing_alerts(events)
+        if not len(events):
+            layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
+        elif not len(firing):
+            st.success(f"No alert firing ({len(events)} past event(s): see Alerts and resyncs).",
+                       icon=":material/check_circle:")
+        else:
+            st.error(f"{len(firing)} alert(s) firing", icon=":material/notifications_active:")
+            st.dataframe(firing[["alert", "severity", "pool", "step", "value", "threshold", "summary"]],
+                         hide_index=True, width="stretch")
+        fleet = d["latest_fleet"]
+        if not len(fleet):
+            layout.empty("Steps were logged but none has an observation yet: every metric is null.")
+            return
+        latest_step = int(d["index"].loc[d["index"]["n_tokens"] > 0, "step"].max())
+        st.subheader(f"Fleet at step {latest_step}")
+        cols = st.columns(5)
+        for col, key in zip(cols, loaders.HEADLINE[:5]):
+            layout.headline(col, key, fleet[key].iloc[0], d.get("recent"))
+        pools_now = d["latest_pools"]
+        st.subheader("Routing flips per pool")
+        recent_pools = d.get("recent_pools")
+        if pools_now[loaders.FLIPS].isna().all():
+            layout.empty("No expert ids were logged: routing flips are not observed in this run.")
+        else:
+            cols = st.columns(min(4, len(pools_now)) or 1)
+            for i, (_, row) in enumerate(pools_now.iterrows()):
+                pool = row["pool"]
+                mine = recent_pools[recent_pools["pool"] == pool] if recent_pools is not None else None
+                layout.headline(cols[i % len(cols)], loaders.FLIPS, row[loaders.FLIPS], mine,
+                                label=f"flip rate · {figures.label(pool)}")
+        st.subheader(f"Per pool at step {latest_step}")
+        st.dataframe(layout.metric_table(pools_now, list(loaders.HEADLINE) + ["mismatch/n_tokens"], ["pool"]),
+                     hide_index=True, width="stretch")
+        titles = {k: layout.metric_label(k) for k in loaders.HEADLINE}
+        layout.chart(figures.small_multiples(d["history"], loaders.HEADLINE, titles, x=view.x,
+                                             smoothing=view.smoothing, width=span.width, cols=3),
+                     key="overview_history")
+
+    layout.live(body, view)

@@ -1,0 +1,58 @@
+"""Pools: every metric per pool over steps, side by side; who holds the tail; what each pool is."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from mismatch_monitor.app import data, figures, layout, loaders, state
+from mismatch_monitor.metrics import METRIC_BY_KEY
+
+view = state.current()
+
+if layout.page_header("Pools", view, "Each sampler pool against the others: its metrics over steps, and "
+                      "its share of the samples against its share of the extreme-ratio tokens."):
+    metrics = st.multiselect("Metrics", list(METRIC_BY_KEY), default=list(loaders.POOL_DEFAULT),
+                             format_func=layout.metric_label, key="pools_metrics", bind="query-params")
+
+    def body() -> None:
+        d = data.load("pools", view.run_dir, **view.params, metrics=tuple(metrics))
+        span = d["span"]
+        layout.run_caption(view, span, d["index"])
+        if span is None:
+            layout.no_steps("the pools page")
+            return
+        meta = pd.DataFrame.from_dict(d["info"].get("pools", {}), orient="index")
+        shares = d["shares"]
+        st.subheader("Share of samples vs share of the tail")
+        if not len(shares):
+            layout.empty("No observation in the steps shown.")
+        else:
+            over = shares[shares["tail_to_sample"] >= 1.5]
+            for _, r in over.iterrows():
+                st.warning(f"Pool **{figures.label(r['pool'])}** holds {r['sample_share']:.1%} of the samples "
+                           f"but {r['extreme_share']:.1%} of the extreme-ratio tokens "
+                           f"({r['tail_to_sample']:.1f}× its share).", icon=":material/warning:")
+            layout.chart(figures.share_bars(shares), key="pools_shares")
+            table = shares.merge(meta, left_on="pool", right_index=True, how="left") if len(meta) else shares
+            st.dataframe(table.rename(columns={"tail_to_sample": "extreme share / sample share"}),
+                         hide_index=True, width="stretch",
+                         column_config={c: st.column_config.NumberColumn(format="percent")
+                                        for c in ("sample_share", "token_share", "extreme_share")})
+        st.subheader("Pool metadata (run.json)")
+        if len(meta):
+            st.dataframe(meta, width="stretch")
+        else:
+            layout.empty("The collector was given no pool metadata (`pools={...}`).")
+        st.subheader("Metrics per pool over steps")
+        if not metrics:
+            layout.empty("Pick at least one metric.")
+        elif not len(d["series"]):
+            layout.empty("Steps were logged but none has an observation yet.")
+        else:
+            titles = {k: layout.metric_label(k) for k in metrics}
+            layout.chart(figures.small_multiples(d["series"], list(metrics), titles, group="pool", x=view.x,
+                                                 smoothing=view.smoothing, width=span.width),
+                         key="pools_series")
+
+    layout.live(body, view)
