@@ -440,3 +440,19 @@ def compare_runs(con: duckdb.DuckDBPyConnection, run_a: RunDir, run_b: RunDir, b
     order = {m: i for i, m in enumerate(metrics)}
     out["_order"] = out["metric"].map(order)
     return out.sort_values(by + ["_order"], na_position="last").drop(columns="_order").reset_index(drop=True)
+
+
+def distinct_values(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, column: str) -> list[Any]:
+    """The sorted distinct values of a key column over a run's visible steps (nulls last)."""
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}; expected one of {sorted(TABLES)}")
+    files = table_files(run_dir, table)
+    if not files or not table_files(run_dir, STEPS_TABLE):
+        return []
+    _check_keys([column], _columns(con, files), table)
+    sql = (f'WITH {_index_cte()} SELECT DISTINCT t."{column}" AS v '
+           "FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
+           "ORDER BY v NULLS LAST")
+    df = _retry(lambda: con.execute(sql, {"files": table_files(run_dir, table),
+                                          "steps": table_files(run_dir, STEPS_TABLE)}).df())
+    return [None if pd.isna(v) else v for v in df["v"].tolist()]
