@@ -52,8 +52,10 @@ class MetricConfig:
         hist_relative_accuracy: alpha of the log-spaced |lr| histogram; every quantile read from
             it is within alpha (relative) of the exact order statistic, for values inside
             [hist_min, hist_max].
-        hist_min: values with |x| below this fall in the zero bin (reported as 0).
-        hist_max: values above this fall in the overflow bin (reported as the exact maximum).
+        hist_min: values with |x| below this fall in the zero bin (reported as 0); precisely,
+            the zero bin ends at the last bin edge gamma^k below hist_min.
+        hist_max: values above this fall in the overflow bin (reported as the exact maximum);
+            precisely, the overflow bin starts at the first bin edge gamma^k at or above hist_max.
         staleness_max: staleness (trainer version - sampler version) is histogrammed as
             0..staleness_max, larger values in the last bin.
         chunk_tokens: tokens processed per pass; bounds the engine's extra memory.

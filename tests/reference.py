@@ -228,14 +228,13 @@ class Bins:
         while upper[-1] < config.hist_max:
             upper.append(self.gamma ** (self.k_min + len(upper)))
         self.upper = np.array(upper)        # upper edge of bins 1..len(upper)
-        self.hist_min, self.hist_max = config.hist_min, config.hist_max
         self.overflow = len(upper) + 1
 
     def unsigned(self, v: np.ndarray) -> np.ndarray:
         v = np.abs(np.asarray(v, dtype=np.float64))
-        b = 1 + np.searchsorted(self.upper, v, side="left")
-        b = np.where(v > self.hist_max, self.overflow, b)
-        return np.where(v < self.hist_min, 0, b).astype(np.int64)
+        b = 1 + np.searchsorted(self.upper, v, side="left")     # first upper edge >= v
+        b = np.where(v > self.upper[-1], self.overflow, b)
+        return np.where(v <= self.upper[0] / self.gamma, 0, b).astype(np.int64)
 
     def signed(self, v: np.ndarray) -> np.ndarray:
         b = self.unsigned(v)
@@ -532,13 +531,7 @@ EXACT_FLOATS = {"min_lr", "max_lr", "max_abs_lr", "max_seq_max_abs_lr", "max_sta
 
 
 def sort_table(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    tmp = df.copy()
-    order_cols = []
-    for k in keys:
-        c = f"__{k}"
-        tmp[c] = tmp[k].astype("object").where(tmp[k].notna(), "\x00<NA>").astype(str)
-        order_cols.append(c)
-    return tmp.sort_values(order_cols, kind="stable").drop(columns=order_cols).reset_index(drop=True)
+    return df.sort_values(keys, na_position="first", kind="stable").reset_index(drop=True) if keys else df
 
 
 def assert_tables_match(got: pd.DataFrame, want: pd.DataFrame, table: str, *, rtol: float = 1e-9,
@@ -550,9 +543,10 @@ def assert_tables_match(got: pd.DataFrame, want: pd.DataFrame, table: str, *, rt
     g, w = sort_table(got, keys), sort_table(want, keys)
     assert len(g) == len(w), f"{table}: {len(g)} rows vs reference {len(w)}"
     for k in keys:
-        a = g[k].astype("object").where(g[k].notna(), None).tolist()
-        b = w[k].astype("object").where(w[k].notna(), None).tolist()
-        assert a == b, f"{table}.{k} differs"
+        assert g[k].isna().equals(w[k].isna()), f"{table}.{k} nulls differ"
+        present = g[k].notna().to_numpy()
+        a, b = g[k].to_numpy()[present], w[k].to_numpy()[present]
+        assert (a == b).all(), f"{table}.{k} differs"
     for name, f in fields.items():
         a, b = g[name].to_numpy(np.float64), w[name].to_numpy(np.float64)
         assert str(g[name].dtype) == f.dtype, f"{table}.{name} dtype {g[name].dtype}"

@@ -2,9 +2,11 @@
 
 With gamma = (1 + alpha) / (1 - alpha), bin i >= 1 holds |x| in (gamma^(k-1), gamma^k] for
 k = i + k_min - 1 and is read back as 2 gamma^k / (gamma + 1), which is within alpha (relative)
-of every value in the bin. Bin 0 holds |x| < hist_min (read as 0); the last bin holds
-|x| > hist_max (read as the exact maximum when it is known). Signed histograms store negative
-values in negative bins (bin -i mirrors bin i), so one integer column serves both.
+of every value in the bin; k_min = ceil(log_gamma hist_min) and k_max = ceil(log_gamma hist_max),
+so the regular bins cover [hist_min, hist_max] (their outer edges lie at most one bin beyond).
+Bin 0 holds |x| <= gamma^(k_min - 1) < hist_min (read as 0); the last bin holds
+|x| > gamma^k_max >= hist_max (read as the exact maximum when it is known). Signed histograms
+store negative values in negative bins (bin -i mirrors bin i), so one integer column serves both.
 
 Bins are plain integer counts: histograms merge exactly by adding counts per bin.
 
@@ -63,14 +65,11 @@ class LogBins:
         return self.num_bins - 1
 
     def index(self, abs_x: torch.Tensor) -> torch.Tensor:
-        """Unsigned bin of each |x| (float tensor, >= 0) as int64."""
-        k = torch.ceil(torch.log(abs_x) * (1.0 / self.log_gamma))
-        # log(0) = -inf lands in the zero bin through the clamp; x < min_value too
-        i = (k - (self.k_min - 1)).clamp_(0, self.overflow_bin - 1)
-        i = torch.where(abs_x < self.min_value, torch.zeros_like(i), i)
-        # the top regular bin reaches up to gamma^k_max >= max_value: above max_value is overflow
-        i = torch.where(abs_x > self.max_value, torch.full_like(i, self.overflow_bin), i)
-        return i.to(torch.int64)
+        """Unsigned bin of each |x| (float64 tensor, >= 0, no NaN) as int64."""
+        # ceil(log_gamma x) - (k_min - 1), clamped: log(0) = -inf lands in the zero bin and
+        # anything above gamma^k_max in the overflow bin; in place, one temporary
+        k = torch.log(abs_x).mul_(1.0 / self.log_gamma).sub_(self.k_min - 1).ceil_()
+        return k.clamp_(0, self.overflow_bin).to(torch.int64)
 
     def signed_index(self, x: torch.Tensor) -> torch.Tensor:
         i = self.index(x.abs())

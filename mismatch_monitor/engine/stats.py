@@ -77,8 +77,21 @@ def _group(df: pd.DataFrame, table: str, by: list[str]) -> pd.DataFrame:
             return df[list(rules)].iloc[0:0].reset_index(drop=True)
         return pd.DataFrame({c: [_agg(df[c], r)] for c, r in rules.items()}).astype(
             {f.name: f.dtype for f in TABLES[table][1]})
-    out = df.groupby(group_keys, dropna=False, sort=True).agg(rules).reset_index()
-    return out
+    return aggregate(df, group_keys, rules)
+
+
+def aggregate(df: pd.DataFrame, keys: list[str], rules: dict[str, str]) -> pd.DataFrame:
+    """Group by ``keys`` (nulls are a group) and merge every value column by its rule.
+
+    One cythonised reduction per rule rather than ``agg(dict)``, which runs column by column."""
+    grouped = df.groupby(keys, dropna=False, sort=True)
+    parts = []
+    for rule in ("sum", "max", "min"):
+        cols = [c for c, r in rules.items() if r == rule]
+        if cols:
+            parts.append(getattr(grouped[cols], rule)())
+    out = pd.concat(parts, axis=1) if len(parts) > 1 else parts[0]
+    return out.reset_index()[keys + list(rules)]
 
 
 def _agg(series: pd.Series, rule: str):
@@ -103,9 +116,8 @@ def merge(parts: Iterable[MismatchStats]) -> MismatchStats:
             tables[name] = empty_table(name, dims)
             continue
         df = pd.concat(frames, ignore_index=True)
-        keys = key_columns(name, dims)
-        tables[name] = (df.groupby(keys, dropna=False, sort=True)
-                        .agg(merge_rules(name)).reset_index()[list(empty_table(name, dims).columns)])
+        tables[name] = aggregate(df, key_columns(name, dims), merge_rules(name)).astype(
+            table_schema(name, dims))
     return MismatchStats(tables, tuple(dims))
 
 
@@ -113,4 +125,4 @@ def _with_dims(df: pd.DataFrame, table: str, dims: list[str]) -> pd.DataFrame:
     missing = [d for d in dims if d not in df.columns]
     if missing:
         df = df.assign(**{d: pd.array([pd.NA] * len(df), dtype="string") for d in missing})
-    return df[list(empty_table(table, dims).columns)]
+    return df[list(table_schema(table, dims))]

@@ -1,10 +1,17 @@
 """One chunked pass over the tokens: per-cell and per-sequence sufficient statistics.
 
-Every quantity is accumulated with ``bincount``/``index_add_``/``scatter_reduce_`` into dense
-per-cell accumulators in float64 (bincount with float32 weights would accumulate in float32).
+Most statistics are read off one *joint* index per token, ``J = (cell, lowprob bucket, region)``,
+where the regions split lr at every band, cap and at 0. Per joint bin the pass keeps a count and
+five float64 sums (lr, lr^2, rho - 1 - lr, exp|lr|, rho^2); everything else is exact algebra on
+those at the end: token counts and lowprob buckets are marginals, |lr| is +-lr inside a region
+of one sign, sum rho = n + sum(rho - 1 - lr) + sum lr, and capped sums take rho below the cap's
+region and the cap above it. The joint index also breaks up runs of one cell (sorted sequences),
+which slow ``bincount`` several-fold.
+
 Invalid tokens (non-finite, or a log-prob above the tolerance) are routed to one extra "dump"
-cell and one extra "dump" sequence that are dropped at the end, so a single NaN never touches
-a statistic and the hot path needs no boolean compaction.
+cell and one extra "dump" sequence that are dropped at the end, so a single NaN never touches a
+statistic; a chunk without invalid tokens (checked with three reductions) skips the masks.
+Weights are float64 (``bincount`` with float32 weights accumulates in float32).
 """
 
 from __future__ import annotations
@@ -18,23 +25,27 @@ import torch
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from .histogram import LogBins
-from .slicing import Cells
+from .routing import flat_nonzero
+from .slicing import Cells, bucket_table
 
-# float64 sums per token cell, in this column order
-SUM_COLUMNS = ("sum_lr", "sum_lr2", "sum_abs_lr", "sum_k3", "sum_exp_abs_lr", "sum_rho",
-               "sum_rho2", "sum_rho_capped", "sum_rho_capped2")
+# float64 sums per joint bin, in this order
+JOINT_SUMS = ("lr", "lr2", "k3", "exp_abs", "rho2")
 
 
 @dataclass(frozen=True)
 class Regions:
-    """lr thresholds of every band and cap; region i holds lr in (b[i-1], b[i]]."""
+    """lr thresholds of every band and cap, and 0; region i holds lr in (b[i-1], b[i]].
+
+    Each region holds lr of one sign. Regions are stored in *slot* order: slot 0 is the region
+    just below 0, slot 1 the one just above (where nearly all tokens fall), then the others.
+    """
 
     boundaries: tuple[float, ...]
 
     @classmethod
     def from_config(cls, config: MetricConfig) -> "Regions":
         c = config.tis_cap
-        points = {math.log(1.0 / c), math.log(c), *(math.log(v) for v in config.icepop_band),
+        points = {0.0, math.log(1.0 / c), math.log(c), *(math.log(v) for v in config.icepop_band),
                   *(math.log(v) for v in config.extreme_band)}
         return cls(tuple(sorted(points)))
 
@@ -42,21 +53,34 @@ class Regions:
     def num_regions(self) -> int:
         return len(self.boundaries) + 1
 
+    @property
+    def zero(self) -> int:
+        """Region (b[z-1], 0]."""
+        return self.boundaries.index(0.0)
+
+    def slots(self) -> list[int]:
+        """Slot of every region (region order)."""
+        z = self.zero
+        others = [r for r in range(self.num_regions) if r not in (z, z + 1)]
+        slot = {z: 0, z + 1: 1, **{r: i + 2 for i, r in enumerate(others)}}
+        return [slot[r] for r in range(self.num_regions)]
+
     def at_most(self, value: float) -> int:
         """Regions r <= this hold exactly the lr <= log(value)."""
         return self.boundaries.index(math.log(value))
+
+    def negative(self) -> list[bool]:
+        """Whether each region holds lr <= 0 (else lr > 0)."""
+        return [r <= self.zero for r in range(self.num_regions)]
 
 
 @dataclass
 class TokenAccumulators:
     """Dense accumulators for C token cells (+1 dump) and B sequences (+1 dump)."""
 
-    sums: torch.Tensor          # [C + 1, len(SUM_COLUMNS)] float64
-    regions: torch.Tensor       # [(C + 1) * R] int64
+    joint_n: torch.Tensor       # [(C + 1) * NL * R] int64, J = (cell * NL + lowprob) * R + slot
+    joint_sums: torch.Tensor    # [len(JOINT_SUMS), (C + 1) * NL * R] float64
     abs_hist: torch.Tensor      # [(C + 1) * NB] int64
-    lowprob_n: torch.Tensor     # [(C + 1) * NL] int64
-    lowprob_abs: torch.Tensor   # [(C + 1) * NL] float64
-    lowprob_k3: torch.Tensor    # [(C + 1) * NL] float64
     min_lr: torch.Tensor        # [C + 1] float64
     max_lr: torch.Tensor        # [C + 1] float64
     n_nonfinite: torch.Tensor   # [C + 1] int64
@@ -65,25 +89,24 @@ class TokenAccumulators:
     n_support_mismatch: torch.Tensor
     n_kept: torch.Tensor
     sum_kept: torch.Tensor
-    seq_n: torch.Tensor         # [B + 1] int64 valid tokens per sequence
+    seq_invalid: torch.Tensor   # [B + 1] int64 invalid tokens per sequence
     seq_sum_lr: torch.Tensor    # [B + 1] float64
     seq_sum_exp_abs: torch.Tensor
     seq_max_abs: torch.Tensor
 
     @classmethod
-    def zeros(cls, C: int, B: int, R: int, NB: int, NL: int, device: torch.device) -> "TokenAccumulators":
+    def zeros(cls, C: int, B: int, J: int, NB: int, device: torch.device) -> "TokenAccumulators":
         f64, i64 = torch.float64, torch.int64
         z = lambda n, dt=i64: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         return cls(
-            sums=torch.zeros(C + 1, len(SUM_COLUMNS), dtype=f64, device=device),
-            regions=z((C + 1) * R), abs_hist=z((C + 1) * NB), lowprob_n=z((C + 1) * NL),
-            lowprob_abs=z((C + 1) * NL, f64), lowprob_k3=z((C + 1) * NL, f64),
+            joint_n=z(J), joint_sums=torch.zeros(len(JOINT_SUMS), J, dtype=f64, device=device),
+            abs_hist=z((C + 1) * NB),
             min_lr=torch.full((C + 1,), math.inf, dtype=f64, device=device),
             max_lr=torch.full((C + 1,), -math.inf, dtype=f64, device=device),
             n_nonfinite=z(C + 1), n_positive=z(C + 1), n_support_known=z(C + 1),
             n_support_mismatch=z(C + 1), n_kept=z(C + 1), sum_kept=z(C + 1, f64),
-            seq_n=z(B + 1), seq_sum_lr=z(B + 1, f64), seq_sum_exp_abs=z(B + 1, f64),
-            seq_max_abs=torch.zeros(B + 1, dtype=f64, device=device),
+            seq_invalid=z(B + 1), seq_sum_lr=z(B + 1, f64), seq_sum_exp_abs=z(B + 1, f64),
+            seq_max_abs=z(B + 1, f64),
         )
 
     def merge_(self, other: "TokenAccumulators") -> None:
@@ -97,102 +120,146 @@ class TokenAccumulators:
                 value += o
 
 
-def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, config: MetricConfig,
-                bins: LogBins, regions: Regions, lowprob_bounds: torch.Tensor,
-                region_bounds: torch.Tensor, start: int, stop: int) -> None:
-    C = cells.num_token_cells
-    B = batch.num_sequences
-    NB = bins.num_bins
-    R = regions.num_regions
-    NL = lowprob_bounds.numel() + 1
-    f64 = torch.float64
+@dataclass(frozen=True)
+class _Plan:
+    """Everything a chunk needs that does not depend on the chunk."""
 
-    t = batch.trainer_logprobs[start:stop].to(f64)
-    s = batch.sampler_logprobs[start:stop].to(f64)
+    C: int
+    B: int
+    NL: int
+    R: int
+    bins: LogBins
+    lowprob_bounds: torch.Tensor     # [NL - 1] float64 log edges
+    lowprob_edges: tuple[float, ...]  # the same as Python floats
+    region_bounds: torch.Tensor      # [R - 1] float64
+    slot_of_region: torch.Tensor     # [R] int64
+    central: tuple[float, float]     # lr in (lo, hi] is in slot 0 or 1
+    turn_table: torch.Tensor | None
+    tol: float
+
+    @property
+    def J(self) -> int:
+        return (self.C + 1) * self.NL * self.R
+
+
+def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
+    device = batch.device
+    regions = Regions.from_config(config)
+    b, z = regions.boundaries, regions.zero
+    return _Plan(
+        C=cells.num_token_cells, B=batch.num_sequences, NL=len(config.lowprob_edges) + 1,
+        R=regions.num_regions, bins=LogBins.from_config(config),
+        lowprob_bounds=torch.log(torch.tensor(config.lowprob_edges, dtype=torch.float64, device=device)),
+        lowprob_edges=tuple(math.log(e) for e in config.lowprob_edges),
+        region_bounds=torch.tensor(b, dtype=torch.float64, device=device),
+        slot_of_region=torch.tensor(regions.slots(), dtype=torch.int64, device=device),
+        central=(b[z - 1], b[z + 1]),
+        turn_table=None if batch.turn_index is None else bucket_table(config.turn_edges, device),
+        tol=config.positive_logprob_tol,
+    )
+
+
+def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Plan, start: int, stop: int,
+                ones: torch.Tensor) -> None:
+    f64 = torch.float64
+    t_in = batch.trainer_logprobs[start:stop]
+    s_in = batch.sampler_logprobs[start:stop]
     seq = batch.seq_index[start:stop]
     turn = None if batch.turn_index is None else batch.turn_index[start:stop]
-    cell = cells.token_cells(seq, turn, config.turn_edges)
-    lr = t - s
+    cell = cells.token_cells(seq, turn, p.turn_table)               # [n] int64
+    ones = ones[: stop - start]
+    s = s_in.to(f64)
+    lr = t_in.to(f64) - s
 
-    tol = config.positive_logprob_tol
-    finite = torch.isfinite(lr)  # inf - inf is NaN, so this covers either side
-    positive = (t > tol) | (s > tol)
-    valid = finite & ~positive
-    token_cell = cell  # every token, valid or not
-    if not bool(valid.all()):
-        acc.n_nonfinite += torch.bincount(cell[~finite], minlength=C + 1)
-        acc.n_positive += torch.bincount(cell[finite & positive], minlength=C + 1)
-        cell = torch.where(valid, cell, C)          # dump cell
-        seq = torch.where(valid, seq, B)            # dump sequence
+    # valid = finite on both sides and no log-prob above the tolerance; three reductions decide
+    # whether any token of the chunk needs setting aside (NaN fails every comparison)
+    clean = bool(torch.isfinite(lr.sum())) and bool(t_in.max() <= p.tol) and bool(s_in.max() <= p.tol)
+    token_cell = cell                                                # every token, valid or not
+    if not clean:
+        t = t_in.to(f64)
+        finite = torch.isfinite(t) & torch.isfinite(s)
+        positive = finite & ((t > p.tol) | (s > p.tol))
+        valid = finite & ~positive
+        acc.n_nonfinite += torch.bincount(cell[~finite], minlength=p.C + 1)
+        acc.n_positive += torch.bincount(cell[positive], minlength=p.C + 1)
+        acc.seq_invalid += torch.bincount(seq[~valid], minlength=p.B + 1)
+        cell = torch.where(valid, cell, p.C)        # dump cell
+        seq = torch.where(valid, seq, p.B)          # dump sequence
         lr = torch.where(valid, lr, 0.0)
         s = torch.where(valid, s, 0.0)
 
     if batch.in_trainer_support is not None:
         sup = batch.in_trainer_support[start:stop]
-        acc.n_support_known += torch.bincount(token_cell, minlength=C + 1)
-        acc.n_support_mismatch += torch.bincount(token_cell[~sup], minlength=C + 1)
+        acc.n_support_known += torch.bincount(token_cell, minlength=p.C + 1)
+        acc.n_support_mismatch += torch.bincount(token_cell[~sup], minlength=p.C + 1)
     if batch.sampler_kept_logmass is not None:
         kept = batch.sampler_kept_logmass[start:stop].to(f64)
         has = torch.isfinite(kept)
-        kc = torch.where(has, cell, C)
-        acc.n_kept += torch.bincount(kc, minlength=C + 1)
-        acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=C + 1)
+        kc = torch.where(has, cell, p.C)
+        acc.n_kept += torch.bincount(kc, minlength=p.C + 1)
+        acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
 
-    em1 = torch.expm1(lr)                      # rho - 1, accurate for tiny lr
-    rho = em1 + 1.0
+    joint = cell * (p.NL * p.R)
+    joint += _bucket_and_slot(lr, s, p)
+    acc.joint_n.scatter_add_(0, joint, ones)
+
+    em1 = torch.expm1(lr)                     # rho - 1, accurate for tiny lr
     abs_lr = lr.abs()
-    k3 = em1 - lr
-    exp_abs = torch.where(lr >= 0, rho, torch.reciprocal(rho))
-    cap = config.tis_cap
-    rho_c = rho.clamp(max=cap)
-    columns = (lr, lr * lr, abs_lr, k3, exp_abs, rho, rho * rho, rho_c, rho_c * rho_c)
-    n_cells = C + 1
-    for j, w in enumerate(columns):
-        acc.sums[:, j] += torch.bincount(cell, weights=w, minlength=n_cells)
-
-    region = torch.bucketize(lr, region_bounds, right=False)
-    acc.regions += torch.bincount(cell * R + region, minlength=n_cells * R)
-    hist_index = cell * NB + bins.index(abs_lr)
-    acc.abs_hist.index_add_(0, hist_index, torch.ones_like(hist_index))
-
-    lp = cell * NL + torch.bucketize(s, lowprob_bounds, right=True)
-    acc.lowprob_n += torch.bincount(lp, minlength=n_cells * NL)
-    acc.lowprob_abs += torch.bincount(lp, weights=abs_lr, minlength=n_cells * NL)
-    acc.lowprob_k3 += torch.bincount(lp, weights=k3, minlength=n_cells * NL)
+    exp_abs = torch.exp(abs_lr)
+    weights = (lr, lr * lr, em1 - lr, exp_abs, em1.add_(1.0).square_())
+    for j, w in enumerate(weights):
+        acc.joint_sums[j].scatter_add_(0, joint, w)
 
     acc.min_lr.scatter_reduce_(0, cell, lr, "amin")
     acc.max_lr.scatter_reduce_(0, cell, lr, "amax")
+    hist = p.bins.index(abs_lr).add_(cell * p.bins.num_bins)
+    acc.abs_hist.scatter_add_(0, hist, ones)
 
-    acc.seq_n += torch.bincount(seq, minlength=B + 1)
-    acc.seq_sum_lr += torch.bincount(seq, weights=lr, minlength=B + 1)
-    acc.seq_sum_exp_abs += torch.bincount(seq, weights=exp_abs, minlength=B + 1)
+    acc.seq_sum_lr.scatter_add_(0, seq, lr)
+    acc.seq_sum_exp_abs.scatter_add_(0, seq, exp_abs)
     acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
 
 
+def _bucket_and_slot(lr: torch.Tensor, s: torch.Tensor, p: _Plan) -> torch.Tensor:
+    """[n] int64 lowprob_bucket * R + slot. ``torch.bucketize`` costs ~20 ns a token; counting
+    edges with byte adds costs a few, and only the rare lr outside the central regions need a
+    binary search for their slot."""
+    if p.NL * p.R <= 256:
+        code = (lr > 0).view(torch.uint8)                           # slot 0 or 1
+        for edge in p.lowprob_edges:
+            code.add_((s >= edge).view(torch.uint8), alpha=p.R)     # bucket = edges <= log p
+        code = code.to(torch.int64)
+    else:
+        code = torch.bucketize(s, p.lowprob_bounds, right=True).mul_(p.R).add_((lr > 0).to(torch.int64))
+    out = flat_nonzero((lr <= p.central[0]) | (lr > p.central[1]))
+    if out.numel():
+        lo = lr[out]
+        slot = p.slot_of_region[torch.bucketize(lo, p.region_bounds, right=False)]
+        code[out] += slot - (lo > 0).to(torch.int64)
+    return code
+
+
 def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: int = 1) -> TokenAccumulators:
-    """Accumulate every token statistic; ``workers`` > 1 splits chunks across Python threads."""
-    bins = LogBins.from_config(config)
-    regions = Regions.from_config(config)
-    device = batch.device
-    lowprob_bounds = torch.log(torch.tensor(config.lowprob_edges, dtype=torch.float64, device=device))
-    region_bounds = torch.tensor(regions.boundaries, dtype=torch.float64, device=device)
+    """Accumulate every token statistic; ``workers`` > 1 splits chunks across Python threads
+    (each runs torch ops on its own; with few cores, pair it with ``torch.set_num_threads(1)``)."""
+    plan = _plan(batch, cells, config)
     N = batch.num_tokens
     chunk = config.chunk_tokens
     starts = list(range(0, N, chunk))
-    dims = (cells.num_token_cells, batch.num_sequences, regions.num_regions, bins.num_bins,
-            len(config.lowprob_edges) + 1)
 
     def run(my_starts: list[int]) -> TokenAccumulators:
-        acc = TokenAccumulators.zeros(*dims, device=device)
+        acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
+        ones = torch.ones(min(chunk, N), dtype=torch.int64, device=batch.device)
         for st in my_starts:
-            _pass_chunk(acc, batch, cells, config, bins, regions, lowprob_bounds, region_bounds,
-                        st, min(st + chunk, N))
+            _pass_chunk(acc, batch, cells, plan, st, min(st + chunk, N), ones)
         return acc
 
     if workers <= 1 or len(starts) < 2:
         return run(starts)
-    shares = [starts[i::workers] for i in range(workers)]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    # contiguous shares keep each worker's sequences (and their accumulator lines) apart
+    per = math.ceil(len(starts) / workers)
+    shares = [starts[i:i + per] for i in range(0, len(starts), per)]
+    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
         results = list(pool.map(run, shares))
     total = results[0]
     for other in results[1:]:

@@ -1,0 +1,208 @@
+"""The output tables, assembled from the accumulators of one pass (CPU, numpy + pandas).
+
+Token sums are exact algebra on the joint (cell, lowprob bucket, region) bins of
+``token_pass``; only non-empty cells and bins become rows.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..batch import TokenBatch
+from ..config import MetricConfig
+from .fields import SEQ_HIST_KINDS
+from .histogram import LogBins
+from .slicing import Cells
+from .stats import empty_table, table_schema
+from .token_pass import JOINT_SUMS, Regions, TokenAccumulators
+
+Columns = Mapping[str, object]
+
+
+def np_(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def frame(table: str, dims: list[str], columns: Columns) -> pd.DataFrame:
+    """A table with exactly the columns and dtypes of ``table_schema``."""
+    data = {}
+    for name, dtype in table_schema(table, dims).items():
+        value = columns[name]
+        if isinstance(value, pd.api.extensions.ExtensionArray):
+            data[name] = value
+        elif dtype in ("string", "Int64"):
+            data[name] = pd.array(value, dtype=dtype)
+        else:
+            data[name] = np.asarray(value).astype(dtype, copy=False)
+    return pd.DataFrame(data, copy=False)
+
+
+def sparse(table: str, dims: list[str], keys: Columns, width: int, key: str,
+           values: Mapping[str, np.ndarray], nonzero: np.ndarray) -> pd.DataFrame:
+    """Rows (cell, index) where ``nonzero`` [C * width] is non-zero; values are [C * width]."""
+    idx = np.flatnonzero(nonzero)
+    cell = idx // width
+    columns: dict[str, object] = {c: v.take(cell) for c, v in keys.items()}
+    columns[key] = idx % width
+    columns.update({name: v[idx] for name, v in values.items()})
+    return frame(table, dims, columns)
+
+
+class JointBins:
+    """The joint accumulators of C cells as numpy arrays in region order: n [C, NL, R] and the
+    sums of ``JOINT_SUMS`` [C, NL, R] each."""
+
+    def __init__(self, acc: TokenAccumulators, C: int, NL: int, regions: Regions):
+        R = regions.num_regions
+        slots = regions.slots()
+        self.n = np_(acc.joint_n[: C * NL * R]).reshape(C, NL, R)[:, :, slots]
+        sums = np_(acc.joint_sums[:, : C * NL * R]).reshape(len(JOINT_SUMS), C, NL, R)[..., slots]
+        self.sums = dict(zip(JOINT_SUMS, sums))
+        self.sign = np.where(regions.negative(), -1.0, 1.0)   # [R]: |lr| = sign * lr in a region
+
+    def abs_lr(self) -> np.ndarray:
+        return (self.sums["lr"] * self.sign).sum(2)          # [C, NL]
+
+    def rho(self) -> np.ndarray:
+        """sum rho per (cell, lowprob, region): n + sum(rho - 1 - lr) + sum lr, exactly."""
+        return self.n + self.sums["k3"] + self.sums["lr"]
+
+
+def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config: MetricConfig,
+                dims: list[str], routing: Mapping[str, np.ndarray] | None) -> pd.DataFrame:
+    regions = Regions.from_config(config)
+    C = joint.n.shape[0]
+    reg = joint.n.sum(1)                                      # [C, R]
+    r = np.arange(regions.num_regions)
+
+    def count(mask: np.ndarray) -> np.ndarray:
+        return reg[:, mask].sum(1)
+
+    cap = config.tis_cap
+    below = r <= regions.at_most(cap)                         # regions with rho <= cap
+    rho = joint.rho().sum(1)                                  # [C, R]
+    rho2 = joint.sums["rho2"].sum(1)
+    n_above = count(~below)
+    lo_i, hi_i = config.icepop_band
+    ex_lo, ex_hi = config.extreme_band
+    n_tokens = reg.sum(1)
+    empty = n_tokens == 0
+    min_lr = np.where(empty, np.nan, np_(acc.min_lr[:C]))
+    max_lr = np.where(empty, np.nan, np_(acc.max_lr[:C]))
+    total = {name: s.sum((1, 2)) for name, s in joint.sums.items()}
+    data: dict[str, object] = dict(keys)
+    data.update({
+        "n_tokens": n_tokens,
+        "n_nonfinite": np_(acc.n_nonfinite[:C]),
+        "n_positive_logprob": np_(acc.n_positive[:C]),
+        "sum_lr": total["lr"], "sum_lr2": total["lr2"], "sum_abs_lr": joint.abs_lr().sum(1),
+        "sum_k3": total["k3"], "sum_exp_abs_lr": total["exp_abs"], "sum_rho": rho.sum(1),
+        "sum_rho2": total["rho2"],
+        "sum_rho_capped": rho[:, below].sum(1) + cap * n_above,
+        "sum_rho_capped2": rho2[:, below].sum(1) + cap * cap * n_above,
+        "n_clip_high": n_above,
+        "n_clip_low": count(r <= regions.at_most(1.0 / cap)),
+        "n_outside_icepop": count((r <= regions.at_most(lo_i)) | (r > regions.at_most(hi_i))),
+        "n_extreme": count((r <= regions.at_most(ex_lo)) | (r > regions.at_most(ex_hi))),
+        "min_lr": min_lr, "max_lr": max_lr, "max_abs_lr": np.maximum(-min_lr, max_lr),
+        "n_support_known": np_(acc.n_support_known[:C]),
+        "n_support_mismatch": np_(acc.n_support_mismatch[:C]),
+        "n_kept_logmass": np_(acc.n_kept[:C]),
+        "sum_kept_logmass": np_(acc.sum_kept[:C]),
+    })
+    zeros = np.zeros(C, dtype=np.int64)
+    for name in ("n_routed_tokens", "n_routing_decisions", "n_routing_flips", "n_tokens_any_flip"):
+        data[name] = zeros if routing is None else routing[name]
+    keep = (n_tokens + data["n_nonfinite"] + data["n_positive_logprob"] + data["n_routed_tokens"]
+            + data["n_support_known"]) > 0
+    idx = np.flatnonzero(keep)
+    rows = {k: (v.take(idx) if isinstance(v, pd.api.extensions.ExtensionArray) else np.asarray(v)[idx])
+            for k, v in data.items()}
+    return frame("tokens", dims, rows)
+
+
+def lowprob_table(joint: JointBins, keys: Columns, dims: list[str]) -> pd.DataFrame:
+    n = joint.n.sum(2)                                        # [C, NL]
+    NL = n.shape[1]
+    return sparse("lowprob", dims, keys, NL, "bucket",
+                  {"n_tokens": n.ravel(), "sum_abs_lr": joint.abs_lr().ravel(),
+                   "sum_k3": joint.sums["k3"].sum(2).ravel()}, n.ravel())
+
+
+def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, config: MetricConfig,
+                    dims: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(sequences, seq_hist, staleness): per sequence-cell statistics of per-sequence values."""
+    B, S = batch.num_sequences, cells.num_seq_cells
+    n = np_(cells.seq_length) - np_(acc.seq_invalid[:B])      # valid tokens per sequence
+    ok = n > 0
+    cell = np.where(ok, np_(cells.seq_cell), S)               # dump cell S for the others
+    nf = np.maximum(n, 1).astype(np.float64)
+    seq_lr = np_(acc.seq_sum_lr[:B])
+    mean_lr = seq_lr / nf
+    mult_err = np_(acc.seq_sum_exp_abs[:B]) / nf
+    max_abs = np_(acc.seq_max_abs[:B])
+
+    def cnt(mask: np.ndarray) -> np.ndarray:
+        return np.bincount(cell[mask], minlength=S + 1)[:S]
+
+    def ssum(w: np.ndarray) -> np.ndarray:
+        return np.bincount(cell, weights=w, minlength=S + 1)[:S]
+
+    def outside(x: np.ndarray, band: tuple[float, float]) -> np.ndarray:
+        return (x <= np.log(band[0])) | (x > np.log(band[1]))
+
+    def extreme(x: np.ndarray, how: np.ufunc, init: float) -> np.ndarray:
+        out = np.full(S + 1, init)
+        how.at(out, cell, x)
+        v = out[:S]
+        return np.where(np.isfinite(v), v, np.nan)
+
+    keys = cells.seq_key_columns()
+    data: dict[str, object] = dict(keys)
+    data.update({
+        "n_sequences": cnt(ok), "sum_seq_len": np.bincount(cell, weights=n, minlength=S + 1)[:S].round(),
+        "sum_seq_lr": ssum(seq_lr), "sum_seq_mean_lr": ssum(mean_lr), "sum_seq_max_abs_lr": ssum(max_abs),
+        "min_seq_lr": extreme(seq_lr, np.minimum, np.inf), "max_seq_lr": extreme(seq_lr, np.maximum, -np.inf),
+        "max_seq_max_abs_lr": extreme(max_abs, np.maximum, -np.inf),
+        "n_drop_product": cnt(outside(seq_lr, config.seq_product_band)),
+        "n_drop_geometric": cnt(outside(mean_lr, config.seq_geometric_band)),
+        "n_drop_mult_error": cnt(mult_err > config.seq_mult_error_threshold),
+    })
+    zeros = np.zeros(S, dtype=np.int64)
+    if batch.advantages is not None:
+        adv = np_(batch.advantages.to(torch.float64))
+        data["n_adv_known"] = cnt(np.ones(B, dtype=bool))
+        data["n_drop_neg_adv"] = cnt((adv < 0) & (-mean_lr > config.neg_adv_delta))
+    else:
+        data["n_adv_known"] = data["n_drop_neg_adv"] = zeros
+    stale_rows = empty_table("staleness", dims)
+    if batch.policy_version is not None:
+        staleness = batch.trainer_version - np_(batch.policy_version)   # [B]
+        data["n_stale_known"] = cnt(np.ones(B, dtype=bool))
+        data["sum_staleness"] = np.bincount(cell, weights=staleness, minlength=S + 1)[:S].round()
+        data["max_staleness"] = extreme(staleness.astype(np.float64), np.maximum, -np.inf)
+        W = config.staleness_max + 1
+        st_counts = np.bincount(cell * W + np.minimum(staleness, config.staleness_max), minlength=(S + 1) * W)
+        stale_rows = sparse("staleness", dims, keys, W, "staleness", {"count": st_counts}, st_counts[: S * W])
+    else:
+        data["n_stale_known"] = data["sum_staleness"] = zeros
+        data["max_staleness"] = np.full(S, np.nan)
+    seq_idx = np.flatnonzero(data["n_sequences"] > 0)
+    seq_df = frame("sequences", dims, {k: (v.take(seq_idx) if isinstance(v, pd.api.extensions.ExtensionArray)
+                                           else np.asarray(v)[seq_idx]) for k, v in data.items()})
+
+    bins = LogBins.from_config(config)
+    width = 2 * bins.num_bins - 1                       # signed bins -(NB-1)..NB-1
+    frames = []
+    for kind, values in zip(SEQ_HIST_KINDS, (seq_lr, mean_lr, max_abs)):
+        signed = np_(bins.signed_index(torch.from_numpy(values)))
+        counts = np.bincount(cell * width + signed + (bins.num_bins - 1), minlength=(S + 1) * width)
+        part = sparse("seq_hist", dims, {**keys, "kind": pd.array([kind] * S, dtype="string")}, width, "bin",
+                      {"count": counts}, counts[: S * width])
+        part["bin"] -= bins.num_bins - 1
+        frames.append(part)
+    return seq_df, pd.concat(frames, ignore_index=True), stale_rows
