@@ -150,14 +150,33 @@ class MismatchCollector:
 
     # ------------------------------------------------------------------ logging a step
     def log_step(self, step: int, batch: TokenBatch | None = None, **fields: Any) -> dict[str, float]:
-        """Compute, store and export one step; returns a flat report for ``wandb.log``."""
+        """Compute, store and export one step; returns a flat report for ``wandb.log``.
+
+        With a reducer, every rank joins the reduction even when its own batch was rejected
+        (it contributes nothing), so one bad batch never leaves the other ranks waiting.
+        """
         wall = self._clock()
+        local_error: Exception | None = None
         try:
             batch = self._as_batch(batch, fields)
             stats = compute_stats(batch, self.config, workers=self.workers)
             exemplars = tail_exemplars(batch, self.exemplars_k, self.config) if self.exemplars_k else {}
+        except Exception as exc:  # never take training down unless asked to
+            if self.strict and self.reducer is None:
+                raise
+            local_error = exc
+            stats, exemplars = MismatchStats.empty(), {}
+        try:
             if self.reducer is not None:
                 stats, exemplars = self.reducer(stats, exemplars)
+            if local_error is not None:
+                if self.strict:
+                    raise local_error
+                self._note(f"step {step} was not recorded" if self.reducer is None
+                           else f"step {step}: this rank's batch was left out", local_error)
+                if self.reducer is None:
+                    self._append_empty(step, wall)
+                    return {"mismatch/collector_errors": float(self.error_count)}
             by_pool = report(stats, ["pool"], self.config)
             fleet = report(stats, (), self.config)
             if self.writer is not None:
@@ -171,10 +190,11 @@ class MismatchCollector:
             out = flatten_report(fleet, by_pool)
             out["mismatch/collector_errors"] = float(self.error_count)
             return out
-        except Exception as exc:  # never take training down unless asked to
+        except Exception as exc:
             if self.strict:
                 raise
-            self._record_error(step, wall, exc)
+            self._note(f"step {step} was not recorded", exc)
+            self._append_empty(step, wall)
             return {"mismatch/collector_errors": float(self.error_count)}
 
     def _as_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
@@ -229,8 +249,8 @@ class MismatchCollector:
                 raise
             self._note(f"{where} callback failed", exc)
 
-    def _record_error(self, step: int, wall: float, exc: BaseException) -> None:
-        self._note(f"step {step} was not recorded", exc)
+    def _append_empty(self, step: int, wall: float) -> None:
+        """Record a step without statistics, so the index shows the error count at that step."""
         if self.writer is not None and not self.writer.closed:
             try:
                 self.writer.append_step(step, None, wall_time=wall, collector_errors=self.error_count)
