@@ -51,7 +51,7 @@ class Evaluator(Protocol):
 class Exporter(Protocol):
     def observe(self, step: int, stats: MismatchStats) -> None: ...
 
-    def count_resync(self, pool: str) -> None: ...
+    def count_resync(self, pool: str | None) -> None: ...
 
 
 def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
@@ -65,7 +65,8 @@ def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
         return AlertEvaluator()
     history = query.metric_series(con, run_dir, ["pool"])
     fleet = query.metric_series(con, run_dir)
-    evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet)
+    steps = query.steps_index(con, run_dir)["step"]   # steps without observations resolve alerts too
+    evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet, steps=steps)
     return evaluator
 
 
@@ -237,7 +238,7 @@ class MismatchCollector:
                 self._call(fn, event, "on_alert")
             if getattr(event, "resync", False) and getattr(event, "state", None) == "firing":
                 if self.exporter is not None:
-                    self._call(lambda e: self.exporter.count_resync(str(e.pool)), event, "exporter")
+                    self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter")
                 for fn in self._resync_callbacks:
                     self._call(fn, event, "on_resync")
 

@@ -24,7 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (``None``: none, for the overview)."""
     parser = argparse.ArgumentParser(
         prog="mismatch-monitor",
         description="See, slice and act on training-inference mismatch in LLM RL.")
@@ -32,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
+        if name != command:
+            continue
         try:
             mod = importlib.import_module(f"{__name__}.{module}")
         except ImportError as exc:
@@ -42,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     unavailable = getattr(args, "_unavailable", None)
     if unavailable:
