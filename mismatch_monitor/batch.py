@@ -10,8 +10,10 @@ accepted and normalised to one flat layout:
 Policy for bad input (documented once, here):
 
 * Structural errors raise ``BatchError`` at construction, always: shapes that do not line up
-  (the message shows both shapes), integer or bool log-probs, tensors on different devices,
-  a label list whose length is not the number of sequences, expert ids whose ``[L, K]`` differ.
+  (the message shows both shapes), integer or bool log-probs, per-token tensors on different
+  devices, a label list whose length is not the number of sequences, expert ids whose
+  ``[L, K]`` differ. Per-sequence values (``seq_offsets``, ``policy_version``, ``advantages``)
+  may be lists or tensors on any device; they are moved to the log-probs' device.
 * Value errors are *data quality*, never raised here: non-finite log-probs and log-probs above
   ``MetricConfig.positive_logprob_tol`` are set aside by the engine (excluded from every
   statistic) and counted per slice in ``n_nonfinite`` / ``n_positive_logprob``.
@@ -192,6 +194,11 @@ class TokenBatch:
                 f"{_shape(sampler_logprobs)}")
         if (seq_offsets is None) == (seq_ids is None):
             raise BatchError("expected exactly one of seq_offsets [B + 1] or seq_ids [N]")
+        # before any value is read: a tensor on another device (or 'meta') cannot be read here
+        _same_device(trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs,
+                     seq_ids=seq_ids, turn_index=turn_index, trainer_experts=trainer_experts,
+                     sampler_experts=sampler_experts, in_trainer_support=in_trainer_support,
+                     sampler_kept_logmass=sampler_kept_logmass, token_ids=token_ids)
         device = trainer_logprobs.device
         N = trainer_logprobs.shape[0]
         if seq_offsets is not None:
@@ -239,10 +246,6 @@ class TokenBatch:
                     f"{_shape(t)} (expected {want})")
             return t
 
-        _same_device(trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs,
-                     seq_ids=seq_ids, turn_index=turn_index, trainer_experts=trainer_experts,
-                     sampler_experts=sampler_experts, in_trainer_support=in_trainer_support,
-                     sampler_kept_logmass=sampler_kept_logmass, token_ids=token_ids)
         return cls._build(
             trainer_logprobs=trainer_logprobs,
             sampler_logprobs=sampler_logprobs,

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mismatch_monitor.config import MetricConfig
@@ -21,6 +21,8 @@ from mismatch_monitor.engine.fields import TABLES, TOKEN_CELL_TABLES
 from reference import Case, assert_tables_match, make_case
 
 CONFIG = MetricConfig(chunk_tokens=1024)
+# each example computes and merges several stats through pandas: fewer, richer examples
+FEW = settings(max_examples=12)
 
 
 def assert_stats_equal(a: MismatchStats, b: MismatchStats, tables=tuple(TABLES)) -> None:
@@ -47,6 +49,7 @@ def cases(draw) -> Case:
     )
 
 
+@FEW
 @given(case=cases(), ranks=st.integers(2, 4), data=st.data())
 def test_split_by_sequences_across_ranks(case, ranks, data):
     owner = np.array(data.draw(st.lists(st.integers(0, ranks - 1), min_size=case.num_sequences,
@@ -59,6 +62,7 @@ def test_split_by_sequences_across_ranks(case, ranks, data):
     assert_stats_equal(merge([merge(parts[::-1][:1]), merge(parts[::-1][1:])]), whole)
 
 
+@FEW
 @given(case=cases(), split_seed=st.integers(0, 2**31 - 1), share=st.floats(0.0, 1.0))
 def test_split_by_tokens_for_token_tables(case, split_seed, share):
     side = np.random.default_rng(split_seed).random(case.num_tokens) < share
@@ -78,6 +82,7 @@ def test_split_by_tokens_for_token_tables(case, split_seed, share):
     assert_stats_equal(merged.marginal(by), whole.marginal(by), TOKEN_CELL_TABLES)
 
 
+@FEW
 @given(case=cases())
 def test_merging_steps_adds_counts_and_keeps_extrema(case):
     s = compute_stats(case.batch(), CONFIG)
@@ -90,6 +95,7 @@ def test_merging_steps_adds_counts_and_keeps_extrema(case):
         assert_tables_match(twice[name], doubled, name, rtol=0, atol=0)
 
 
+@FEW
 @given(case=cases())
 def test_a_marginal_is_the_stats_of_the_coarser_labels(case):
     """Merging cells down to (pool, length, turn) equals computing with the pool label only."""

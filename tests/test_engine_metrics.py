@@ -1,0 +1,91 @@
+"""Every metric of ``metrics.METRICS``, as ``report`` derives it from merged engine statistics,
+against the float64 reference computed straight from the tokens (tests/reference.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from mismatch_monitor import metrics
+from mismatch_monitor.config import MetricConfig
+from mismatch_monitor.engine import compute_stats
+from reference import make_case, reference_metrics, sort_table
+
+CONFIG = MetricConfig()
+QUANTILE_KEYS = {f"mismatch/abs_log_ratio/{q}" for q in ("p50", "p90", "p99", "p999")}
+GROUPINGS = [[], ["pool"], ["pool", "length_bucket"], ["pool", "hardware", "turn_bucket"], ["task", "precision"]]
+
+
+def assert_report_matches(case, config: MetricConfig, by: list[str]) -> None:
+    got = sort_table(metrics.report(compute_stats(case.batch(), config), by=by, config=config), by)
+    want = sort_table(reference_metrics(case, config, by), by)
+    assert set(want.columns) - set(by) == {m.key for m in metrics.METRICS}, "reference misses a metric"
+    assert len(got) == len(want), (by, len(got), len(want))
+    for k in by:
+        assert got[k].astype("object").where(got[k].notna(), None).tolist() == \
+            want[k].astype("object").where(want[k].notna(), None).tolist()
+    for m in metrics.METRICS:
+        a = got[m.key].to_numpy(np.float64)
+        b = want[m.key].to_numpy(np.float64)
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"{by} {m.key}: null where the reference is not")
+        ok = ~np.isnan(b)
+        if m.key in QUANTILE_KEYS:
+            # nearest-rank order statistic within alpha (relative); tiny values read as 0
+            tol = config.hist_relative_accuracy * np.maximum(b[ok], config.hist_min) * (1 + 1e-12)
+            assert np.all(np.abs(a[ok] - b[ok]) <= tol), (by, m.key, a[ok], b[ok])
+        else:
+            np.testing.assert_allclose(a[ok], b[ok], rtol=1e-9, atol=1e-12, err_msg=f"{by} {m.key}")
+
+
+@pytest.mark.parametrize("by", GROUPINGS, ids=lambda b: "+".join(b) or "all")
+def test_report_matches_reference_on_heavy_tails(by):
+    case = make_case(31, num_sequences=70, tail_fraction=0.02, bad_fraction=0.002)
+    assert_report_matches(case, CONFIG, by)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_report_matches_reference_in_low_precision(dtype):
+    case = make_case(32, num_sequences=40, dtype=dtype, tail_fraction=3e-3)
+    assert_report_matches(case, CONFIG, ["pool"])
+
+
+def test_report_with_other_thresholds_and_without_optional_inputs():
+    config = MetricConfig(tis_cap=3.0, icepop_band=(0.5, 2.0), seq_mult_error_threshold=1.002,
+                          neg_adv_delta=0.0)
+    case = make_case(33, turns=False, routing=None, support=False, kept=False, staleness=False,
+                     advantages=False, base_scale=3e-3, tail_fraction=1e-2)
+    assert_report_matches(case, config, ["pool"])
+    assert_report_matches(case, config, [])
+
+
+def test_empty_batch_has_no_observation():
+    case = make_case(34, num_sequences=3, empty_sequences=3)
+    stats = compute_stats(case.batch("padded"))
+    assert stats.is_empty
+    for by in ([], ["pool"]):
+        report = metrics.report(stats, by=by)
+        # no row, or a row of nulls: never a 0.0 that reads as "no mismatch"
+        values = report[[m.key for m in metrics.METRICS]].to_numpy(np.float64)
+        assert values.size == 0 or np.isnan(values).all()
+
+
+def test_a_slice_of_only_invalid_tokens_reports_null_metrics_and_counts_them():
+    case = make_case(35, num_sequences=12, bad_fraction=0.0)
+    t = case.trainer.copy()
+    pool = np.asarray(case.labels["pool"])[case.seq]
+    target = pool[0]
+    t[pool == target] = np.nan
+    bad = replace(case, trainer=t)
+    report = metrics.report(compute_stats(bad.batch()), by=["pool"]).set_index("pool")
+    row = report.loc[target]
+    assert row["mismatch/data_quality/nonfinite_tokens"] == (pool == target).sum()
+    assert row["mismatch/n_tokens"] == 0
+    for key in ("mismatch/k3_kl", "mismatch/ess", "mismatch/abs_log_ratio/p99", "mismatch/seq/n_sequences",
+                "mismatch/seq/product_mask_fraction"):
+        assert np.isnan(row[key]), key
+    # the other pools are untouched by the NaNs
+    others = report.drop(index=target)
+    assert others["mismatch/k3_kl"].notna().all()
