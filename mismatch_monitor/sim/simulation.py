@@ -44,6 +44,7 @@ class SimStep:
         entropy: mean trainer entropy (nats) over the sampled tokens.
         trainer_version: weights version the trainer scored with (= updates taken before).
         seconds: wall time of the step.
+        seconds_sampling: the part of it spent syncing pools and generating.
     """
 
     step: int
@@ -55,6 +56,7 @@ class SimStep:
     entropy: float
     trainer_version: int
     seconds: float
+    seconds_sampling: float
 
 
 def _seed(*parts: int) -> int:
@@ -128,6 +130,7 @@ class Simulation:
             rollouts += self._rollout(self.samplers[spec.name], group, _seed(cfg.seed, 3, s, index), s)
             specs += [spec] * len(group)
             episodes += group
+        sampled = time.perf_counter()
         rewards = torch.tensor([ep.reward(r.answers) for ep, r in zip(episodes, rollouts)], dtype=torch.float64)
         advantages = self._advantages(rewards)
         padded, logp, token_lp, batch = self._score(rollouts, specs, episodes, advantages, version)
@@ -141,7 +144,7 @@ class Simulation:
         by_pool = {name: float(rewards[rows].mean()) for name, rows in padded.pool_rows.items()}
         return SimStep(step=s, batch=batch, reward_mean=float(rewards.mean()), reward_by_pool=by_pool,
                        loss=loss, grad_norm=grad_norm, entropy=entropy, trainer_version=version,
-                       seconds=time.perf_counter() - t0)
+                       seconds=time.perf_counter() - t0, seconds_sampling=sampled - t0)
 
     def probe(self, pools: Sequence[PoolSpec], episodes: Sequence[Episode], *, seed: int = 0) -> TokenBatch:
         """Every pool in ``pools`` answers the same ``episodes``; the trainer scores; no update.
