@@ -133,7 +133,7 @@ class _Plan:
     lowprob_edges: tuple[float, ...]  # the same as Python floats
     region_bounds: torch.Tensor      # [R - 1] float64
     slot_of_region: torch.Tensor     # [R] int64
-    central: tuple[float, float]     # lr in (lo, hi] is in slot 0 or 1
+    outlier_abs: float               # lr in (lo, hi], slot 0 or 1, has |lr| < min(-lo, hi)
     turn_table: torch.Tensor | None
     tol: float
 
@@ -153,7 +153,7 @@ def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
         lowprob_edges=tuple(math.log(e) for e in config.lowprob_edges),
         region_bounds=torch.tensor(b, dtype=torch.float64, device=device),
         slot_of_region=torch.tensor(regions.slots(), dtype=torch.int64, device=device),
-        central=(b[z - 1], b[z + 1]),
+        outlier_abs=min(-b[z - 1], b[z + 1]),
         turn_table=None if batch.turn_index is None else bucket_table(config.turn_edges, device),
         tol=config.positive_logprob_tol,
     )
@@ -199,12 +199,12 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
         acc.n_kept += torch.bincount(kc, minlength=p.C + 1)
         acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
 
+    abs_lr = lr.abs()
     joint = cell * (p.NL * p.R)
-    joint += _bucket_and_slot(lr, s, p)
+    joint += _bucket_and_slot(lr, abs_lr, s, p)
     acc.joint_n.scatter_add_(0, joint, ones)
 
     em1 = torch.expm1(lr)                     # rho - 1, accurate for tiny lr
-    abs_lr = lr.abs()
     exp_abs = torch.exp(abs_lr)
     weights = (lr, lr * lr, em1 - lr, exp_abs, em1.add_(1.0).square_())
     for j, w in enumerate(weights):
@@ -215,12 +215,23 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
     hist = p.bins.index(abs_lr).add_(cell * p.bins.num_bins)
     acc.abs_hist.scatter_add_(0, hist, ones)
 
-    acc.seq_sum_lr.scatter_add_(0, seq, lr)
-    acc.seq_sum_exp_abs.scatter_add_(0, seq, exp_abs)
+    _add_per_sequence(acc, seq, lr, exp_abs)
     acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
 
 
-def _bucket_and_slot(lr: torch.Tensor, s: torch.Tensor, p: _Plan) -> torch.Tensor:
+def _add_per_sequence(acc: TokenAccumulators, seq: torch.Tensor, lr: torch.Tensor, exp_abs: torch.Tensor) -> None:
+    """Per-sequence sums. Tokens usually come in runs of one sequence, where ``scatter_add_``
+    is slow (every add hits the same address); then sum each run first, in order."""
+    ids, lengths = torch.unique_consecutive(seq, return_counts=True)
+    if ids.numel() * 4 > seq.numel():           # short runs (shuffled tokens): scatter directly
+        acc.seq_sum_lr.scatter_add_(0, seq, lr)
+        acc.seq_sum_exp_abs.scatter_add_(0, seq, exp_abs)
+        return
+    acc.seq_sum_lr.index_add_(0, ids, torch.segment_reduce(lr, "sum", lengths=lengths))
+    acc.seq_sum_exp_abs.index_add_(0, ids, torch.segment_reduce(exp_abs, "sum", lengths=lengths))
+
+
+def _bucket_and_slot(lr: torch.Tensor, abs_lr: torch.Tensor, s: torch.Tensor, p: _Plan) -> torch.Tensor:
     """[n] int64 lowprob_bucket * R + slot. ``torch.bucketize`` costs ~20 ns a token; counting
     edges with byte adds costs a few, and only the rare lr outside the central regions need a
     binary search for their slot."""
@@ -231,7 +242,8 @@ def _bucket_and_slot(lr: torch.Tensor, s: torch.Tensor, p: _Plan) -> torch.Tenso
         code = code.to(torch.int64)
     else:
         code = torch.bucketize(s, p.lowprob_bounds, right=True).mul_(p.R).add_((lr > 0).to(torch.int64))
-    out = flat_nonzero((lr <= p.central[0]) | (lr > p.central[1]))
+    # |lr| >= the nearer central bound flags every lr outside (lo, hi], and a few inside
+    out = flat_nonzero(abs_lr >= p.outlier_abs)
     if out.numel():
         lo = lr[out]
         slot = p.slot_of_region[torch.bucketize(lo, p.region_bounds, right=False)]
