@@ -54,6 +54,21 @@ class Exporter(Protocol):
     def count_resync(self, pool: str | None) -> None: ...
 
 
+def as_token_batch(batch: TokenBatch | None, fields: Mapping[str, Any]) -> TokenBatch:
+    """A TokenBatch from either a batch or tensor fields (padded with ``response_mask``, else flat)."""
+    if batch is not None:
+        if fields:
+            raise TypeError(f"pass either a TokenBatch or tensor fields, not both (got {sorted(fields)})")
+        if not isinstance(batch, TokenBatch):
+            raise TypeError(f"expected a TokenBatch, got {type(batch).__name__}")
+        return batch
+    if "response_mask" in fields:
+        return TokenBatch.from_padded(**fields)
+    if "trainer_logprobs" in fields:
+        return TokenBatch.from_flat(**fields)
+    raise TypeError("log_step needs a TokenBatch or trainer_logprobs/sampler_logprobs fields")
+
+
 def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
     """The project's alert rules; a restarted run first replays its stored history, so an alert
     that was firing stays firing (and does not ask for a second resync)."""
@@ -199,7 +214,7 @@ class MismatchCollector:
             return {"mismatch/collector_errors": float(self.error_count)}
 
     def _as_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
-        return self._with_pool_labels(self._build_batch(batch, fields))
+        return self._with_pool_labels(as_token_batch(batch, fields))
 
     def _with_pool_labels(self, batch: TokenBatch) -> TokenBatch:
         """Fill hardware/precision/engine labels a batch lacks from the declared pool metadata."""
@@ -212,19 +227,6 @@ class MismatchCollector:
                 continue
             labels[dim] = tuple(str(self.pools.get(p, {}).get(dim, "unknown")) for p in pools)
         return dataclasses.replace(batch, labels=labels) if len(labels) != len(batch.labels) else batch
-
-    def _build_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
-        if batch is not None:
-            if fields:
-                raise TypeError(f"pass either a TokenBatch or tensor fields, not both (got {sorted(fields)})")
-            if not isinstance(batch, TokenBatch):
-                raise TypeError(f"expected a TokenBatch, got {type(batch).__name__}")
-            return batch
-        if "response_mask" in fields:
-            return TokenBatch.from_padded(**fields)
-        if "trainer_logprobs" in fields:
-            return TokenBatch.from_flat(**fields)
-        raise TypeError("log_step needs a TokenBatch or trainer_logprobs/sampler_logprobs fields")
 
     def _evaluate_alerts(self, step: int, wall: float, by_pool: pd.DataFrame,
                          fleet: pd.DataFrame) -> list[Any]:

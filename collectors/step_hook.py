@@ -26,6 +26,7 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from mismatch_monitor.batch import BatchError, TokenBatch
+from .collector import as_token_batch
 
 log = logging.getLogger("mismatch_monitor")
 
@@ -40,19 +41,6 @@ class StepSink(Protocol):
     strict: bool
 
     def log_step(self, step: int, batch: TokenBatch | None = None, **fields: Any) -> dict[str, float]: ...
-
-
-def as_token_batch(batch: TokenBatch | None, fields: Mapping[str, Any]) -> TokenBatch:
-    """A TokenBatch from either a batch or tensor fields (padded with ``response_mask``, else flat)."""
-    if batch is not None:
-        if fields:
-            raise TypeError(f"pass either a TokenBatch or tensor fields, not both (got {sorted(fields)})")
-        if not isinstance(batch, TokenBatch):
-            raise TypeError(f"expected a TokenBatch, got {type(batch).__name__}")
-        return batch
-    if "response_mask" in fields:
-        return TokenBatch.from_padded(**fields)
-    return TokenBatch.from_flat(**fields)
 
 
 def concat_batches(batches: Sequence[TokenBatch]) -> TokenBatch:
