@@ -17,7 +17,8 @@ from .routing import routing_counts
 from .slicing import Cells, assign_cells, bucket_table, dimension_names
 from .stats import MismatchStats, empty_table, merge
 from .tables import JointBins, lowprob_table, np_, sequence_tables, sparse, token_table
-from .token_pass import Regions, token_pass
+from .regions import Regions
+from .token_pass import token_pass
 
 __all__ = ["compute_stats", "MismatchStats", "merge", "LogBins"]
 

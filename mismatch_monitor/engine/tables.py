@@ -18,7 +18,8 @@ from .fields import SEQ_HIST_KINDS
 from .histogram import LogBins
 from .slicing import Cells
 from .stats import empty_table, table_schema
-from .token_pass import JOINT_SUMS, Regions, TokenAccumulators
+from .regions import Regions
+from .token_pass import JOINT_SUMS, TokenAccumulators
 
 Columns = Mapping[str, object]
 

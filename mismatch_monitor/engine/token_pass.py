@@ -25,53 +25,11 @@ import torch
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from .histogram import LogBins
-from .routing import flat_nonzero
+from .regions import JointCoder
 from .slicing import Cells, bucket_table
 
 # float64 sums per joint bin, in this order
 JOINT_SUMS = ("lr", "lr2", "k3", "exp_abs", "rho2")
-
-
-@dataclass(frozen=True)
-class Regions:
-    """lr thresholds of every band and cap, and 0; region i holds lr in (b[i-1], b[i]].
-
-    Each region holds lr of one sign. Regions are stored in *slot* order: slot 0 is the region
-    just below 0, slot 1 the one just above (where nearly all tokens fall), then the others.
-    """
-
-    boundaries: tuple[float, ...]
-
-    @classmethod
-    def from_config(cls, config: MetricConfig) -> "Regions":
-        c = config.tis_cap
-        points = {0.0, math.log(1.0 / c), math.log(c), *(math.log(v) for v in config.icepop_band),
-                  *(math.log(v) for v in config.extreme_band)}
-        return cls(tuple(sorted(points)))
-
-    @property
-    def num_regions(self) -> int:
-        return len(self.boundaries) + 1
-
-    @property
-    def zero(self) -> int:
-        """Region (b[z-1], 0]."""
-        return self.boundaries.index(0.0)
-
-    def slots(self) -> list[int]:
-        """Slot of every region (region order)."""
-        z = self.zero
-        others = [r for r in range(self.num_regions) if r not in (z, z + 1)]
-        slot = {z: 0, z + 1: 1, **{r: i + 2 for i, r in enumerate(others)}}
-        return [slot[r] for r in range(self.num_regions)]
-
-    def at_most(self, value: float) -> int:
-        """Regions r <= this hold exactly the lr <= log(value)."""
-        return self.boundaries.index(math.log(value))
-
-    def negative(self) -> list[bool]:
-        """Whether each region holds lr <= 0 (else lr > 0)."""
-        return [r <= self.zero for r in range(self.num_regions)]
 
 
 @dataclass
@@ -129,11 +87,7 @@ class _Plan:
     NL: int
     R: int
     bins: LogBins
-    lowprob_bounds: torch.Tensor     # [NL - 1] float64 log edges
-    lowprob_edges: tuple[float, ...]  # the same as Python floats
-    region_bounds: torch.Tensor      # [R - 1] float64
-    slot_of_region: torch.Tensor     # [R] int64
-    outlier_abs: float               # lr in (lo, hi], slot 0 or 1, has |lr| < min(-lo, hi)
+    coder: JointCoder
     turn_table: torch.Tensor | None
     tol: float
 
@@ -143,18 +97,11 @@ class _Plan:
 
 
 def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
-    device = batch.device
-    regions = Regions.from_config(config)
-    b, z = regions.boundaries, regions.zero
+    coder = JointCoder.build(config, batch.device)
     return _Plan(
-        C=cells.num_token_cells, B=batch.num_sequences, NL=len(config.lowprob_edges) + 1,
-        R=regions.num_regions, bins=LogBins.from_config(config),
-        lowprob_bounds=torch.log(torch.tensor(config.lowprob_edges, dtype=torch.float64, device=device)),
-        lowprob_edges=tuple(math.log(e) for e in config.lowprob_edges),
-        region_bounds=torch.tensor(b, dtype=torch.float64, device=device),
-        slot_of_region=torch.tensor(regions.slots(), dtype=torch.int64, device=device),
-        outlier_abs=min(-b[z - 1], b[z + 1]),
-        turn_table=None if batch.turn_index is None else bucket_table(config.turn_edges, device),
+        C=cells.num_token_cells, B=batch.num_sequences, NL=len(config.lowprob_edges) + 1, R=coder.R,
+        bins=LogBins.from_config(config), coder=coder,
+        turn_table=None if batch.turn_index is None else bucket_table(config.turn_edges, batch.device),
         tol=config.positive_logprob_tol,
     )
 
@@ -201,7 +148,7 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
 
     abs_lr = lr.abs()
     joint = cell * (p.NL * p.R)
-    joint += _bucket_and_slot(lr, abs_lr, s, p)
+    joint += p.coder.code(lr, abs_lr, s)
     acc.joint_n.scatter_add_(0, joint, ones)
 
     em1 = torch.expm1(lr)                     # rho - 1, accurate for tiny lr
@@ -229,26 +176,6 @@ def _add_per_sequence(acc: TokenAccumulators, seq: torch.Tensor, lr: torch.Tenso
         return
     acc.seq_sum_lr.index_add_(0, ids, torch.segment_reduce(lr, "sum", lengths=lengths))
     acc.seq_sum_exp_abs.index_add_(0, ids, torch.segment_reduce(exp_abs, "sum", lengths=lengths))
-
-
-def _bucket_and_slot(lr: torch.Tensor, abs_lr: torch.Tensor, s: torch.Tensor, p: _Plan) -> torch.Tensor:
-    """[n] int64 lowprob_bucket * R + slot. ``torch.bucketize`` costs ~20 ns a token; counting
-    edges with byte adds costs a few, and only the rare lr outside the central regions need a
-    binary search for their slot."""
-    if p.NL * p.R <= 256:
-        code = (lr > 0).view(torch.uint8)                           # slot 0 or 1
-        for edge in p.lowprob_edges:
-            code.add_((s >= edge).view(torch.uint8), alpha=p.R)     # bucket = edges <= log p
-        code = code.to(torch.int64)
-    else:
-        code = torch.bucketize(s, p.lowprob_bounds, right=True).mul_(p.R).add_((lr > 0).to(torch.int64))
-    # |lr| >= the nearer central bound flags every lr outside (lo, hi], and a few inside
-    out = flat_nonzero(abs_lr >= p.outlier_abs)
-    if out.numel():
-        lo = lr[out]
-        slot = p.slot_of_region[torch.bucketize(lo, p.region_bounds, right=False)]
-        code[out] += slot - (lo > 0).to(torch.int64)
-    return code
 
 
 def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: int = 1) -> TokenAccumulators:
