@@ -59,7 +59,7 @@ def bench_demo(steps: int) -> tuple[float, float]:
                "--runs-root", tmp, "--name", "bench", "--quiet"]
         t0 = time.perf_counter()
         before = os.times()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         after = os.times()
         return time.perf_counter() - t0, (after.children_user - before.children_user
                                           + after.children_system - before.children_system)

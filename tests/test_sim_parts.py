@@ -145,7 +145,8 @@ def test_faults_switch_on_at_their_step():
     pool = PoolSpec("p", precision="fp8_e4m3", faults=(
         FaultSpec("degrade_precision", 10, "int4"), FaultSpec("degrade_precision", 20, "int2"),
         FaultSpec("ignore_temperature", 15)))
-    assert [pool.precision_at(s) for s in (0, 9, 10, 19, 20, 99)] == ["fp8_e4m3", "fp8_e4m3", "int4", "int4", "int2", "int2"]
+    assert [pool.precision_at(s) for s in (0, 9, 10, 19, 20, 99)] == [
+        "fp8_e4m3", "fp8_e4m3", "int4", "int4", "int2", "int2"]
     assert not pool.ignores_temperature_at(14) and pool.ignores_temperature_at(15)
     assert not pool.sync_stopped_at(100)
     # faults are silent: the labels stay what the spec declares
