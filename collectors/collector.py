@@ -225,7 +225,8 @@ class MismatchCollector:
         for dim in ("hardware", "precision", "engine", "env"):
             if dim in labels or not any(dim in meta for meta in self.pools.values()):
                 continue
-            labels[dim] = tuple(str(self.pools.get(p, {}).get(dim, "unknown")) for p in pools)
+            values = (self.pools.get(p, {}).get(dim) if p is not None else None for p in pools)
+            labels[dim] = tuple(None if v is None else str(v) for v in values)
         return dataclasses.replace(batch, labels=labels) if len(labels) != len(batch.labels) else batch
 
     def _evaluate_alerts(self, step: int, wall: float, by_pool: pd.DataFrame,

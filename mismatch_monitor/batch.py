@@ -77,7 +77,7 @@ class TokenBatch:
     seq_index: torch.Tensor
     position: torch.Tensor
     num_sequences: int
-    labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    labels: Mapping[str, tuple[str | None, ...]] = field(default_factory=dict)
     turn_index: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
     trainer_version: int | None = None
@@ -271,7 +271,7 @@ class TokenBatch:
                token_ids, num_sequences, **core) -> "TokenBatch":
         device = core["trainer_logprobs"].device
         B = int(num_sequences)
-        clean_labels: dict[str, tuple[str, ...]] = {}
+        clean_labels: dict[str, tuple[str | None, ...]] = {}
         for dim, values in (labels or {}).items():
             if not isinstance(dim, str) or not dim.isidentifier():
                 raise BatchError(f"expected label dimension names to be identifiers, got {dim!r}")
@@ -282,7 +282,9 @@ class TokenBatch:
             values = tuple(values)
             if len(values) != B:
                 raise BatchError(f"expected labels[{dim!r}] to have one entry per sequence ({B}), got {len(values)}")
-            clean_labels[dim] = tuple(str(v) for v in values)
+            # None (or NaN) stays a missing label: stored as null, never as the string "None"
+            clean_labels[dim] = tuple(None if v is None or (isinstance(v, float) and v != v) else str(v)
+                                      for v in values)
 
         if turn_index is not None:
             _check_int("turn_index", turn_index)

@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from mismatch_monitor import query
 from mismatch_monitor.collectors import MismatchCollector
@@ -136,3 +137,17 @@ def test_empty_run_queries_are_empty(tmp_path):
     assert query.latest(con, run).empty
     assert query.metric_series(con, run, ["pool"]).empty
     assert query.rows(con, run, "alerts").empty
+
+
+def test_missing_labels_are_null_not_a_string(tmp_path):
+    t = -torch.rand(4, 6, dtype=torch.float64)
+    s = t - 1e-3
+    pools = {"a": {"hardware": "H100"}}
+    with MismatchCollector(tmp_path / "r", pools=pools) as mc:
+        mc.log_step(0, trainer_logprobs=t, sampler_logprobs=s, response_mask=torch.ones(4, 6),
+                    labels={"pool": ["a", None, "a", None]})
+    got = query.metric_series(query.connect(), tmp_path / "r", ["pool", "hardware"],
+                              metrics=["mismatch/n_tokens"])
+    rows = {(None if pd.isna(p) else p, None if pd.isna(h) else h): n
+            for p, h, n in zip(got["pool"], got["hardware"], got["mismatch/n_tokens"])}
+    assert rows == {("a", "H100"): 12, (None, None): 12}

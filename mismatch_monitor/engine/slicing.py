@@ -110,7 +110,7 @@ def assign_cells(batch: TokenBatch, config: MetricConfig) -> Cells:
         values = batch.labels.get(dim)
         if values is None:
             continue
-        codes, uniq = pd.factorize(np.asarray(values, dtype=object), sort=True)
+        codes, uniq = pd.factorize(np.asarray(values, dtype=object), sort=True, use_na_sentinel=False)
         uniques[dim] = np.asarray(uniq, dtype=object)
         code = code * len(uniq) + codes
     n_len = len(config.length_edges) + 1
