@@ -26,7 +26,7 @@ import pandas as pd
 
 from ..batch import TokenBatch
 from ..config import MetricConfig
-from ..engine import MismatchStats, compute_stats
+from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import tail_exemplars
 from ..metrics import report
 from ..store import RunWriter
@@ -175,8 +175,9 @@ class MismatchCollector:
         local_error: Exception | None = None
         try:
             batch = self._as_batch(batch, fields)
-            stats = compute_stats(batch, self.config, workers=self.workers)
-            exemplars = tail_exemplars(batch, self.exemplars_k, self.config) if self.exemplars_k else {}
+            stats, per_sequence = compute_stats_with_sequences(batch, self.config, workers=self.workers)
+            exemplars = (tail_exemplars(batch, self.exemplars_k, self.config, per_sequence)
+                         if self.exemplars_k else {})
         except Exception as exc:  # never take training down unless asked to
             if self.strict and self.reducer is None:
                 raise

@@ -70,6 +70,8 @@ class TokenBatch:
         in_trainer_support: ``[N]`` bool, sampled token inside the trainer's top-p/top-k set.
         sampler_kept_logmass: ``[N]`` float, log of the kept mass S the sampler truncated to.
         token_ids: ``[N]`` int64 token ids (kept in exemplars) or None.
+        seq_offsets: ``[B + 1]`` int64 when every sequence's tokens are contiguous and in order
+            (the padded and offsets layouts), else None; lets exemplars read one sequence's tokens.
     """
 
     trainer_logprobs: torch.Tensor
@@ -87,6 +89,7 @@ class TokenBatch:
     in_trainer_support: torch.Tensor | None = None
     sampler_kept_logmass: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
+    seq_offsets: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -151,6 +154,7 @@ class TokenBatch:
             seq_index=rows.to(torch.int64),
             position=(mask.to(torch.int64).cumsum(1) - 1)[rows, cols],
             num_sequences=B,
+            seq_offsets=torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.sum(1).cumsum(0)]),
             labels=labels,
             turn_index=per_token("turn_index", turn_index),
             policy_version=policy_version,
@@ -252,6 +256,7 @@ class TokenBatch:
             seq_index=seq_index,
             position=position,
             num_sequences=B,
+            seq_offsets=offsets if seq_offsets is not None else None,
             labels=labels,
             turn_index=per_token("turn_index", turn_index),
             policy_version=policy_version,

@@ -15,6 +15,7 @@ import torch
 
 from .batch import STANDARD_DIMENSIONS, TokenBatch
 from .config import MetricConfig
+from .engine import SequenceValues
 
 TOKEN_RANK = "abs_log_ratio"
 SEQUENCE_RANK = "seq_max_abs_log_ratio"
@@ -31,39 +32,80 @@ def _labels(batch: TokenBatch, seq: np.ndarray) -> dict[str, object]:
     return out
 
 
-def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None) -> dict[str, pd.DataFrame]:
-    """The ``k`` largest-|lr| tokens and the ``k`` sequences with the largest max |lr|."""
-    config = config or MetricConfig()
-    if k <= 0 or batch.num_tokens == 0:
-        return {name: empty_exemplars(name) for name in EXEMPLAR_TABLES}
+def sequence_values(batch: TokenBatch, config: MetricConfig) -> SequenceValues:
+    """Per-sequence max |lr|, sum lr and valid-token count, in one pass (when the engine's
+    values are not at hand)."""
     f64 = torch.float64
     B = batch.num_sequences
-    best_val, best_idx = [], []
     seq_sum = torch.zeros(B + 1, dtype=f64, device=batch.device)
     seq_n = torch.zeros(B + 1, dtype=torch.int64, device=batch.device)
-    seq_max = torch.full((B + 1,), -1.0, dtype=f64, device=batch.device)
-    tol = config.positive_logprob_tol
+    seq_max = torch.zeros(B + 1, dtype=f64, device=batch.device)
     for start in range(0, batch.num_tokens, config.chunk_tokens):
         stop = min(start + config.chunk_tokens, batch.num_tokens)
-        t = batch.trainer_logprobs[start:stop].to(f64)
-        s = batch.sampler_logprobs[start:stop].to(f64)
-        lr = t - s
-        valid = torch.isfinite(lr) & (t <= tol) & (s <= tol)
-        score = torch.where(valid, lr.abs(), -1.0)
-        v, i = torch.topk(score, min(k, stop - start))
-        best_val.append(v)
-        best_idx.append(i + start)
+        lr, valid = _log_ratio(batch, config, slice(start, stop))
         seq = torch.where(valid, batch.seq_index[start:stop], B)
         seq_sum += torch.bincount(seq, weights=torch.where(valid, lr, 0.0), minlength=B + 1)
         seq_n += torch.bincount(seq, minlength=B + 1)
-        seq_max.scatter_reduce_(0, seq, score, "amax")
-    vals, idx = torch.cat(best_val), torch.cat(best_idx)
-    top = torch.topk(vals, min(k, vals.numel()))
-    keep = top.values >= 0
-    tok = idx[top.indices[keep]]
+        seq_max.scatter_reduce_(0, seq, torch.where(valid, lr.abs(), 0.0), "amax")
+    return SequenceValues(max_abs_lr=seq_max[:B], sum_lr=seq_sum[:B], n_valid=seq_n[:B])
+
+
+def _log_ratio(batch: TokenBatch, config: MetricConfig, index: slice | torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """lr in float64 and the validity mask (the engine's policy) of the selected tokens."""
+    t = batch.trainer_logprobs[index].to(torch.float64)
+    s = batch.sampler_logprobs[index].to(torch.float64)
+    tol = config.positive_logprob_tol
+    lr = t - s
+    return lr, torch.isfinite(lr) & (t <= tol) & (s <= tol)
+
+
+def _tokens_of(batch: TokenBatch, seqs: torch.Tensor) -> torch.Tensor:
+    """Token indices of the sequences ``seqs``: ranges when sequences are contiguous."""
+    if batch.seq_offsets is None:
+        mark = torch.zeros(batch.num_sequences, dtype=torch.bool, device=batch.device)
+        mark[seqs] = True
+        return mark[batch.seq_index].nonzero().squeeze(1)
+    starts = batch.seq_offsets[seqs]
+    lengths = batch.seq_offsets[seqs + 1] - starts
+    first = torch.repeat_interleave(starts - (lengths.cumsum(0) - lengths), lengths)
+    return first + torch.arange(int(lengths.sum()), device=batch.device)
+
+
+def _lengths(batch: TokenBatch) -> torch.Tensor:
+    if batch.seq_offsets is not None:
+        return batch.seq_offsets.diff()
+    return torch.bincount(batch.seq_index, minlength=batch.num_sequences)[: batch.num_sequences]
+
+
+def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None,
+                   sequences: SequenceValues | None = None) -> dict[str, pd.DataFrame]:
+    """The ``k`` largest-|lr| tokens and the ``k`` sequences with the largest max |lr|.
+
+    ``sequences``: the engine's per-sequence values (``compute_stats_with_sequences``); without
+    them one extra pass computes them. The ``k`` worst tokens always lie in the ``k`` sequences
+    with the largest max |lr| (a sequence holding one of them has fewer than ``k`` sequences
+    whose maximum exceeds its own), so only those sequences' tokens are read again.
+    """
+    config = config or MetricConfig()
+    if k <= 0 or batch.num_tokens == 0:
+        return {name: empty_exemplars(name) for name in EXEMPLAR_TABLES}
+    seqs = sequences if sequences is not None else sequence_values(batch, config)
+    B = batch.num_sequences
+    has = seqs.n_valid > 0
+    score = torch.where(has, seqs.max_abs_lr.to(torch.float64), -1.0)
+    ks = min(k, int(has.sum()))
+    if ks == 0:
+        return {name: empty_exemplars(name) for name in EXEMPLAR_TABLES}
+    top_seq = torch.topk(score, ks).indices                            # [ks]
+
+    cand = _tokens_of(batch, top_seq)                                   # tokens of those sequences
+    lr, valid = _log_ratio(batch, config, cand)
+    top = torch.topk(torch.where(valid, lr.abs(), -1.0), min(k, cand.numel()))
+    tok = cand[top.indices[top.values >= 0]]
     seq_of_tok = batch.seq_index[tok].cpu().numpy()
-    t = batch.trainer_logprobs[tok].to(f64).cpu().numpy()
-    s = batch.sampler_logprobs[tok].to(f64).cpu().numpy()
+    t = batch.trainer_logprobs[tok].to(torch.float64).cpu().numpy()
+    s = batch.sampler_logprobs[tok].to(torch.float64).cpu().numpy()
     tokens = pd.DataFrame({
         **_labels(batch, seq_of_tok),
         "seq_index": seq_of_tok.astype(np.int64),
@@ -78,25 +120,22 @@ def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None
         TOKEN_RANK: np.abs(t - s),
     })
 
-    smax = seq_max[:B]
-    ks = min(k, int((smax >= 0).sum()))
-    stop_seq = torch.topk(smax, ks).indices if ks else torch.zeros(0, dtype=torch.int64)
-    sid = stop_seq.cpu().numpy().astype(np.int64)
-    n = seq_n[:B][stop_seq].cpu().numpy()
-    total = seq_sum[:B][stop_seq].cpu().numpy()
-    lengths = torch.bincount(batch.seq_index, minlength=B)[:B][stop_seq].cpu().numpy()
-    seqs = pd.DataFrame({
+    sid = top_seq.cpu().numpy().astype(np.int64)
+    n = seqs.n_valid[top_seq].cpu().numpy()
+    total = seqs.sum_lr[top_seq].to(torch.float64).cpu().numpy()
+    lengths = _lengths(batch)[top_seq].cpu().numpy()
+    sequences_df = pd.DataFrame({
         **_labels(batch, sid),
         "seq_index": sid,
         "length": lengths.astype(np.int64),
         "n_valid_tokens": n.astype(np.int64),
         "seq_log_ratio": total,
         "seq_mean_log_ratio": total / np.maximum(n, 1),
-        SEQUENCE_RANK: smax[stop_seq].cpu().numpy(),
-        "advantage": batch.advantages[stop_seq].to(f64).cpu().numpy() if batch.advantages is not None
+        SEQUENCE_RANK: seqs.max_abs_lr[top_seq].to(torch.float64).cpu().numpy(),
+        "advantage": batch.advantages[top_seq].to(torch.float64).cpu().numpy() if batch.advantages is not None
         else np.full(len(sid), np.nan),
     })
-    return {"exemplar_tokens": tokens, "exemplar_sequences": seqs}
+    return {"exemplar_tokens": tokens, "exemplar_sequences": sequences_df}
 
 
 def empty_exemplars(table: str) -> pd.DataFrame:

@@ -8,7 +8,10 @@ Computation runs on the batch's device; the returned tables live on the CPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
 
 from ..batch import TokenBatch
 from ..config import MetricConfig
@@ -20,7 +23,18 @@ from .tables import JointBins, lowprob_table, np_, sequence_tables, sparse, toke
 from .regions import Regions
 from .token_pass import token_pass
 
-__all__ = ["compute_stats", "MismatchStats", "merge", "LogBins"]
+__all__ = ["compute_stats", "compute_stats_with_sequences", "SequenceValues", "MismatchStats", "merge",
+           "LogBins"]
+
+
+@dataclass(frozen=True)
+class SequenceValues:
+    """Per-sequence values the token pass computes anyway ([B] tensors on the batch's device);
+    the exemplars read them instead of making a pass of their own."""
+
+    max_abs_lr: torch.Tensor    # max_t |lr| over valid tokens (0 without any)
+    sum_lr: torch.Tensor        # sum_t lr over valid tokens
+    n_valid: torch.Tensor       # valid tokens
 
 
 def compute_stats(batch: TokenBatch, config: MetricConfig | None = None, *, workers: int = 1) -> MismatchStats:
@@ -29,10 +43,17 @@ def compute_stats(batch: TokenBatch, config: MetricConfig | None = None, *, work
     ``workers`` > 1 splits the token chunks across that many Python threads; with few cores
     and large batches this beats torch's own intra-op threads (see benchmarks/README.md).
     """
+    return compute_stats_with_sequences(batch, config, workers=workers)[0]
+
+
+def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None = None, *, workers: int = 1
+                                 ) -> tuple[MismatchStats, SequenceValues]:
+    """:func:`compute_stats` and the per-sequence values of the batch."""
     config = config or MetricConfig()
     dims = dimension_names(dict(batch.labels))
     if batch.num_tokens == 0:
-        return MismatchStats.empty(dims)
+        zeros = torch.zeros(batch.num_sequences, device=batch.device)
+        return MismatchStats.empty(dims), SequenceValues(zeros.double(), zeros.double(), zeros.long())
     cells = assign_cells(batch, config)
     acc = token_pass(batch, cells, config, workers=workers)
     C = cells.num_token_cells
@@ -52,7 +73,10 @@ def compute_stats(batch: TokenBatch, config: MetricConfig | None = None, *, work
     }
     seq, seq_hist, staleness = sequence_tables(acc, batch, cells, config, dims)
     tables.update(sequences=seq, seq_hist=seq_hist, staleness=staleness)
-    return MismatchStats(tables, tuple(dims))
+    B = batch.num_sequences
+    values = SequenceValues(max_abs_lr=acc.seq_max_abs[:B], sum_lr=acc.seq_sum_lr[:B],
+                            n_valid=cells.seq_length - acc.seq_invalid[:B])
+    return MismatchStats(tables, tuple(dims)), values
 
 
 def _routing(batch: TokenBatch, cells: Cells, config: MetricConfig
