@@ -71,3 +71,22 @@ def test_sample_data_regenerates_a_compacted_run(tmp_path, capsys):
     assert all(len(list((run_dir / t).glob("*.parquet"))) <= 1 for t in ("tokens", "sequences", "abs_hist"))
     assert main(["summary", str(run_dir)]) == 0
     assert "mean reward by steps" in capsys.readouterr().out
+
+
+SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
+
+
+def test_committed_sample_runs_open_and_show_what_their_notes_say():
+    con = query.connect()
+    for name in ("stable_fleet", "fault_midrun", "collapse_no_correction"):
+        info = read_run_info(SAMPLE_DATA / name)
+        assert info["metadata"]["simulator"]["scenario"] == name
+        assert len(query.steps_index(con, SAMPLE_DATA / name)) == info["metadata"]["simulator"]["steps"]
+    events = query.alert_events(con, SAMPLE_DATA / "fault_midrun")
+    resyncs = events[(events["state"] == "firing") & events["resync"].astype(bool)]
+    assert (resyncs["pool"] == "async").all() and resyncs["step"].min() >= 60 and len(resyncs) >= 5
+    series = query.metric_series(con, SAMPLE_DATA / "collapse_no_correction", ["pool"],
+                                 metrics=["mismatch/k3_kl"])
+    fp8 = series[series["pool"] == "fp8"]
+    by_quarter = fp8.groupby(fp8["step"] // 30)["mismatch/k3_kl"].median().to_numpy()
+    assert np.all(np.diff(by_quarter) > 0), by_quarter
