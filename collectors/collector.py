@@ -28,7 +28,7 @@ from ..batch import TokenBatch
 from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import tail_exemplars
-from ..metrics import report
+from ..metrics import metric_tables, report
 from ..store import RunWriter
 
 log = logging.getLogger("mismatch_monitor")
@@ -194,8 +194,9 @@ class MismatchCollector:
                 if self.reducer is None:
                     self._append_empty(step, wall)
                     return {"mismatch/collector_errors": float(self.error_count)}
-            by_pool = report(stats, ["pool"], self.config)
-            fleet = report(stats, (), self.config)
+            pool_level = metric_tables(stats).marginal(["pool"])   # merge cells once
+            by_pool = report(pool_level, ["pool"], self.config)
+            fleet = report(pool_level, (), self.config)
             if self.writer is not None:
                 events = self._evaluate_alerts(step, wall, by_pool, fleet)
                 self.writer.append_alerts([e.to_row() for e in events])

@@ -197,9 +197,15 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
     return pd.concat([keys, metrics], axis=1) if by else metrics
 
 
+METRIC_TABLES = ("tokens", "sequences", "abs_hist")
+
+
+def metric_tables(stats):
+    """Only the tables metrics read: merging histograms of other kinds would be wasted work."""
+    return type(stats)({t: stats.tables[t] for t in METRIC_TABLES}, stats.dims)
+
+
 def report(stats, by: Sequence[str] = (), config: MetricConfig | None = None) -> pd.DataFrame:
     """Metrics of a :class:`MismatchStats` merged down to ``by`` (``()`` = everything)."""
-    # only the tables metrics read: merging histograms of other kinds would be wasted work
-    needed = type(stats)({t: stats.tables[t] for t in ("tokens", "sequences", "abs_hist")}, stats.dims)
-    m = needed.marginal(by)
+    m = metric_tables(stats).marginal(by)
     return derive(m["tokens"], m["sequences"], m["abs_hist"], by=by, config=config)
