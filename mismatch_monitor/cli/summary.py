@@ -40,6 +40,13 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _slice_name(row: pd.Series) -> str:
+    parts = [f"pool={'(none)' if pd.isna(row['pool']) else row['pool']}", f"len>={row['length_bucket']}"]
+    if not pd.isna(row["turn_bucket"]):           # null when the run has no turn indices
+        parts.append(f"turn>={row['turn_bucket']}")
+    return " ".join(parts)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (holds run.json)")
     parser.add_argument("--worst", type=int, default=5, help="how many worst slices to list")
@@ -72,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     slices = slices[slices["mismatch/n_tokens"] > 0].sort_values(
         "mismatch/abs_log_ratio/p99", ascending=False).head(args.worst)
     print(f"\nworst slices at step {step} (by p99 |lr|):")
-    rows = [[f"pool={r['pool']} len>={r['length_bucket']} turn>={_fmt(r['turn_bucket'], '{}')}"]
-            + [_fmt(r[k], f) for k, _, f in POOL_COLUMNS[:5]] for _, r in slices.iterrows()]
+    rows = [[_slice_name(r)] + [_fmt(r[k], f) for k, _, f in POOL_COLUMNS[:5]]
+            for _, r in slices.iterrows()]
     print(format_table(["slice"] + [t for _, t, _ in POOL_COLUMNS[:5]], rows))
 
     alerts = query.rows(con, args.run_dir, "alerts")
