@@ -1,14 +1,23 @@
 """The demo and sample-data commands: simulator -> collector -> store, alerts -> resync -> simulator.
 
-Small runs (a 10-step warm start, a dozen RL steps) read back through the query layer (about 20 s).
+Small runs (a 10-step warm start, a dozen RL steps) read back through the query layer, and the
+dashboard started by the demo on a free port of 127.0.0.1 (about 30 s).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from mismatch_monitor import query
 from mismatch_monitor.cli import main
@@ -90,3 +99,43 @@ def test_committed_sample_runs_open_and_show_what_their_notes_say():
     fp8 = series[series["pool"] == "fp8"]
     by_quarter = fp8.groupby(fp8["step"] // 30)["mismatch/k3_kl"].median().to_numpy()
     assert np.all(np.diff(by_quarter) > 0), by_quarter
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_demo_dashboard_follows_the_run_and_stops_with_the_demo(tmp_path):
+    port = _free_port()
+    cmd = [sys.executable, "-c", "import sys; from mismatch_monitor.cli import main; sys.exit(main())",
+           "demo", "--steps", "2", "--variant", "dense", "--warmstart-steps", "2", "--runs-root",
+           str(tmp_path), "--name", "live", "--quiet", "--no-alerts", "--dashboard", "--dashboard-port", str(port)]
+    demo = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in demo.stdout:                     # until the run is written and the server waits
+            lines.append(line)
+            if "keeps serving" in line:
+                break
+        dashboard_pid = int(next(x for x in lines if "dashboard server pid" in x).split()[-1])
+        deadline = time.time() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
+                    assert r.read() == b"ok"
+                    break
+            except OSError:
+                assert time.time() < deadline, "dashboard did not come up"
+                time.sleep(0.5)
+        assert (tmp_path / "live" / "run.json").exists()
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=30) == 0
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(dashboard_pid, 0)                # the demo took its server down with it
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -60,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve Prometheus /metrics on 127.0.0.1:PORT while running")
     parser.add_argument("--dashboard", action="store_true",
                         help="start the dashboard on the runs root, following the run; Ctrl-C stops it")
+    parser.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port (default 8501)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -142,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     exporter = _exporter(args.metrics_port)
-    dashboard = _start_dashboard(root) if args.dashboard else None
+    dashboard = _start_dashboard(root, args.dashboard_port) if args.dashboard else None
     print(f"demo: scenario {args.scenario} ({config.policy.variant}, {len(config.pools)} pools, "
           f"correction {config.correction}, seed {config.seed}), {args.steps} steps")
     print(f"demo: writing run {run_dir.resolve()}")
@@ -152,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
                           metadata={"scenario": args.scenario, "steps": args.steps})
         print_summary(result)
         if dashboard is not None:
-            print("demo: the dashboard keeps serving the run; Ctrl-C stops it")
-            dashboard.wait()
+            print("demo: the dashboard keeps serving the run; Ctrl-C stops it", flush=True)
+            _wait_until_stopped(dashboard)
     except KeyboardInterrupt:
         print("demo: interrupted", file=sys.stderr)
     finally:
@@ -193,11 +195,27 @@ def _exporter(port: int | None) -> Any:
     return exporter
 
 
-def _start_dashboard(root: Path) -> subprocess.Popen[bytes] | None:
+def _wait_until_stopped(child: subprocess.Popen[bytes]) -> None:
+    """Wait for ``child``; SIGINT or SIGTERM (even where a shell made us ignore SIGINT) ends the wait."""
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _start_dashboard(root: Path, port: int) -> subprocess.Popen[bytes] | None:
     try:
         from .dashboard import streamlit_command
     except ImportError as exc:
         print(f"demo: dashboard unavailable ({exc})", file=sys.stderr)
         return None
-    print("demo: dashboard on http://127.0.0.1:8501")
-    return subprocess.Popen(streamlit_command(root.resolve(), port=8501, address="127.0.0.1"))
+    print(f"demo: dashboard on http://127.0.0.1:{port}")
+    child = subprocess.Popen(streamlit_command(root.resolve(), port=port, address="127.0.0.1"),
+                             stdout=subprocess.DEVNULL)   # its banner; errors still show
+    print(f"demo: dashboard server pid {child.pid}", flush=True)
+    return child
