@@ -144,27 +144,33 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     exporter = _exporter(args.metrics_port)
-    dashboard = _start_dashboard(root, args.dashboard_port) if args.dashboard else None
-    print(f"demo: scenario {args.scenario} ({config.policy.variant}, {len(config.pools)} pools, "
-          f"correction {config.correction}, seed {config.seed}), {args.steps} steps")
-    print(f"demo: writing run {run_dir.resolve()}")
+    previous = _stop_on_signals() if args.dashboard else {}
+    dashboard, finished = None, False
     try:
+        if args.dashboard:
+            dashboard = _start_dashboard(root, args.dashboard_port)
+        print(f"demo: scenario {args.scenario} ({config.policy.variant}, {len(config.pools)} pools, "
+              f"correction {config.correction}, seed {config.seed}), {args.steps} steps")
+        print(f"demo: writing run {run_dir.resolve()}", flush=True)
         result = simulate(config, run_dir, steps=args.steps, run_id=name, alerts=not args.no_alerts,
                           progress=not args.quiet, exporter=exporter,
                           metadata={"scenario": args.scenario, "steps": args.steps})
         print_summary(result)
+        finished = True
         if dashboard is not None:
             print("demo: the dashboard keeps serving the run; Ctrl-C stops it", flush=True)
-            _wait_until_stopped(dashboard)
+            dashboard.wait()
     except KeyboardInterrupt:
-        print("demo: interrupted", file=sys.stderr)
+        print("demo: stopped" if finished else "demo: interrupted", file=sys.stderr)
     finally:
         if exporter is not None:
             exporter.stop()
         if dashboard is not None and dashboard.poll() is None:
             dashboard.terminate()
             dashboard.wait(timeout=10)
-    return 0
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if finished else 130
 
 
 def print_summary(result: RunResult) -> None:
@@ -195,17 +201,13 @@ def _exporter(port: int | None) -> Any:
     return exporter
 
 
-def _wait_until_stopped(child: subprocess.Popen[bytes]) -> None:
-    """Wait for ``child``; SIGINT or SIGTERM (even where a shell made us ignore SIGINT) ends the wait."""
+def _stop_on_signals() -> dict[int, Any]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt (even where a shell made us ignore SIGINT), so
+    the ``finally`` that stops the dashboard's server always runs; returns the previous handlers."""
     def stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _start_dashboard(root: Path, port: int) -> subprocess.Popen[bytes] | None:
