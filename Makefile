@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# a live simulated run while the dashboard follows it; Ctrl-C stops the dashboard at the end
 demo: install
-	$(VENV)/bin/mismatch-monitor demo $(DEMO_ARGS)
+	$(VENV)/bin/mismatch-monitor demo --dashboard $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -33,6 +34,7 @@ dashboard: install
 bench: install
 	$(PY) benchmarks/bench_engine.py --sizes 100000 1000000
 	$(PY) benchmarks/bench_collector.py
+	$(PY) benchmarks/bench_sim.py
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache

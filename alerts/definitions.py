@@ -34,6 +34,7 @@ KL_SPIKE = AlertRule(
     name="MismatchKLSpike",
     condition=GrowthOverBaseline("mismatch/k3_kl", factor=3.0, window_steps=50, min_points=10,
                                  floor=1e-4),
+    for_steps=2,   # one noisy step of a small pool is not a spike
     severity="warning",
     fix="fp32_head",
     summary="k3 KL(mu||pi) of pool {pool} spiked to {value}x its rolling median",
@@ -81,7 +82,7 @@ EXTREME_SHARE_RISE = AlertRule(
     name="MismatchExtremeShareRise",
     condition=GrowthOverBaseline("mismatch/extreme_fraction", factor=3.0, window_steps=50,
                                  min_points=10, floor=1e-3),
-    for_steps=1,
+    for_steps=2,
     severity="warning",
     fix="discard_long_rollouts",
     summary="Share of extreme-ratio tokens in pool {pool} rose {value}x",
@@ -97,7 +98,7 @@ ROUTING_FLIP_RISE = AlertRule(
     name="MismatchRoutingFlipRise",
     condition=GrowthOverBaseline("mismatch/routing/flip_rate", factor=1.5, window_steps=50,
                                  min_points=10, floor=0.01),
-    for_steps=1,
+    for_steps=3,   # flips of a few hundred tokens are noisy: a rise must last
     severity="warning",
     fix="routing_replay",
     summary="MoE routing flip rate of pool {pool} rose {value}x",

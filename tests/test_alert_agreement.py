@@ -44,7 +44,7 @@ def pool_state(pool: str, step: int) -> PoolState | None:
         return replace(base, noise=1.0)
     if pool == "fp8" and step in range(5, 31):
         base = replace(base, offset=-0.02)
-    if pool == "fp8" and step in range(12, 15):
+    if pool == "fp8" and step in range(12, 18):     # longer than the rule's `for`
         return replace(base, flip=0.12)
     if pool == "bf16" and step in range(32, 35):
         return replace(base, extreme_share=0.03)
