@@ -87,8 +87,11 @@ def meta(con: Con, run_dir: Path) -> Frames:
 def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) -> Frames:
     out, span = _start(con, run_dir, window, max_points)
     out["events"] = query.alert_events(con, run_dir)
-    out["latest_fleet"] = query.latest(con, run_dir, [])
-    out["latest_pools"] = query.latest(con, run_dir, ["pool"])
+    index = out["index"]
+    observed = index.loc[index["n_tokens"] > 0, "step"]
+    last = int(observed.max()) if len(observed) else -1   # the latest step with observations
+    out["latest_fleet"] = query.metric_totals(con, run_dir, [], steps=(last, last))
+    out["latest_pools"] = query.metric_totals(con, run_dir, ["pool"], steps=(last, last))
     if span is None:
         return out
     recent = (max(span.first, span.last - SPARK_STEPS + 1), span.last)
@@ -123,7 +126,6 @@ def tails(con: Con, run_dir: Path, *, window: int | None, max_points: int, pool:
                                          steps=span.steps, where=_pool_filter(pool))
     out["config"] = query.run_config(run_dir)
     out["bands"] = query.metric_series_binned(con, run_dir, ["pool"], metrics=BANDS + DRIFT, **kw)
-    out["fleet"] = query.metric_series_binned(con, run_dir, [], metrics=BANDS + DRIFT, **kw)
     return out
 
 
@@ -173,8 +175,7 @@ def corrections(con: Con, run_dir: Path, *, window: int | None, max_points: int)
         return out
     out["series"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.first, width=span.width,
                                                steps=span.steps, metrics=CORRECTIONS)
-    out["totals"] = query.metric_series(con, run_dir, ["pool"], metrics=CORRECTIONS, steps=span.steps,
-                                        per_step=False)
+    out["totals"] = query.metric_totals(con, run_dir, ["pool"], metrics=CORRECTIONS, steps=span.steps)
     out["config"] = query.run_config(run_dir)
     return out
 
@@ -187,7 +188,6 @@ def alerts(con: Con, run_dir: Path, *, window: int | None, max_points: int,
         return out
     kw: dict[str, Any] = dict(first=span.first, width=span.width, steps=span.steps, metrics=[metric])
     out["series"] = query.metric_series_binned(con, run_dir, ["pool"], **kw)
-    out["fleet"] = query.metric_series_binned(con, run_dir, [], **kw)
     return out
 
 

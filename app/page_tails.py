@@ -20,7 +20,7 @@ if layout.page_header("Tails", view, "Tails move before the mean and before a co
         if span is None:
             layout.no_steps("the tails page")
             return
-        if not len(d["fleet"]):
+        if not len(d["bands"]):
             layout.empty("Steps were logged but none has an observation yet.")
             return
         st.subheader(f"|log ρ| histogram over steps · {pool or 'all pools'}")

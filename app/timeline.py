@@ -21,8 +21,8 @@ def event_positions(series: pd.DataFrame, events: pd.DataFrame, metric: str, *, 
                     width: int) -> pd.DataFrame:
     """Events with the (binned) step they fall in and the metric's value there for their pool.
 
-    The value is the pool's series value at that bin, the fleet's when the event has no pool,
-    and the event's own recorded value when the series has none.
+    The value is the pool's series value at that bin, or the event's own recorded value where
+    the series has none (a fleet-wide alert, a pool without observation there).
     """
     ev = events.copy()
     ev["bin"] = first + (ev["step"].astype("int64") - first) // width * width

@@ -261,6 +261,31 @@ def step_width(first: int, last: int, max_points: int) -> int:
     return max(1, -(-span // max_points))
 
 
+def _current_sources(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str) -> tuple[list[str], list[str], bool]:
+    """(data files, index files, exact) for reading the current rows of ``table``.
+
+    ``exact``: no step is listed twice in the index (no re-logged step, no compaction in
+    progress), so the current rows are exactly the rows of the data files whose file_id the index
+    names (a file's name carries its file_id) and the per-row join with the index can be skipped.
+    Otherwise every data file is returned and the caller joins.
+    """
+    files, step_files = table_files(run_dir, table), table_files(run_dir, STEPS_TABLE)
+    if not files or not step_files:
+        return files, step_files, False
+    unique, ids = con.execute("SELECT count(*) = count(DISTINCT step), list(DISTINCT file_id) "
+                              "FROM read_parquet($steps, union_by_name=true)", {"steps": step_files}).fetchone()
+    named = {}
+    for f in files:
+        stem = Path(f).stem
+        if not stem.startswith("part-") or not stem[5:].isdigit():
+            return files, step_files, False
+        named[f] = int(stem[5:])
+    if not unique:
+        return files, step_files, False
+    current = set(ids)
+    return [f for f in files if named[f] in current], step_files, True
+
+
 def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, by: Sequence[str] = (),
                      *, first: int, width: int, steps: StepRange = None,
                      where: Mapping[str, str] | None = None) -> pd.DataFrame:
@@ -290,19 +315,23 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
         else:
             clauses.append(f't."{col}" = $w{i}')
             params[f"w{i}"] = str(value)
-    keys = [f't."{c}"' for c in by + extra]
+    keys = [f'"{c}"' for c in by + extra]
     aggs = [f'{rule}(t."{col}") AS "{col}"' if col in available else f'NULL AS "{col}"'
             for col, rule in rules.items()]
-    select = (["$first + (t.step - $first) // $width * $width AS step", "max(t.step) AS step_last",
-               "arg_max(idx.wall_time, t.step) AS wall_time"] + keys + aggs)
-    order = ", ".join(["1"] + keys)
-    sql = (f"WITH {_index_cte()} SELECT {', '.join(select)} "
-           f"FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
-           f"WHERE {' AND '.join(clauses)} GROUP BY ALL ORDER BY {order}")
+    inner = (["$first + (t.step - $first) // $width * $width AS step", "max(t.step) AS step_last"]
+             + [f"t.{k}" for k in keys] + aggs)
+    outer = ["agg.step", "agg.step_last", "idx.wall_time"] + [f"agg.{k}" for k in keys] + [
+        f'agg."{c}"' for c in rules]
+    order = ", ".join(["agg.step"] + [f"agg.{k}" for k in keys])
 
     def run() -> pd.DataFrame:
-        p = dict(params, files=table_files(run_dir, table), steps=table_files(run_dir, STEPS_TABLE))
-        return con.execute(sql, p).df()
+        files, step_files, exact = _current_sources(con, run_dir, table)
+        source = "read_parquet($files, union_by_name=true) t" + (
+            "" if exact else " SEMI JOIN idx USING (step, file_id)")
+        sql = (f"WITH {_index_cte()}, agg AS (SELECT {', '.join(inner)} FROM {source} "
+               f"WHERE {' AND '.join(clauses)} GROUP BY ALL) "
+               f"SELECT {', '.join(outer)} FROM agg LEFT JOIN idx ON idx.step = agg.step_last ORDER BY {order}")
+        return con.execute(sql, dict(params, files=files, steps=step_files)).df()
 
     return _retry(run)[out_cols]
 
@@ -330,6 +359,32 @@ def metric_series_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Se
     return out[["step", "step_last", "wall_time"] + by + [m for m in METRIC_BY_KEY if m in set(wanted)]]
 
 
+def _whole(con: duckdb.DuckDBPyConnection, run_dir: RunDir, steps: StepRange) -> tuple[int, int] | None:
+    """``steps`` with open ends closed by the run's first and last visible step (None: no step)."""
+    lo, hi = steps if steps is not None else (None, None)
+    if lo is None or hi is None:
+        index = steps_index(con, run_dir)
+        if not len(index):
+            return None
+        lo = int(index["step"].min()) if lo is None else lo
+        hi = int(index["step"].max()) if hi is None else hi
+    return (int(lo), int(hi)) if hi >= lo else None
+
+
+def metric_totals(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
+                  metrics: Sequence[str] | None = None, steps: StepRange = None,
+                  where: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """Metrics per group with every step of ``steps`` merged (as ``metric_series(per_step=False)``):
+    columns *by, metric keys."""
+    by = list(by)
+    span = _whole(con, run_dir, steps)
+    if span is None:
+        return metric_series(con, run_dir, by, metrics=metrics, steps=(0, -1), per_step=False)
+    out = metric_series_binned(con, run_dir, by, first=span[0], width=span[1] - span[0] + 1,
+                               metrics=metrics, steps=span, where=where)
+    return out.drop(columns=["step", "step_last", "wall_time"]).reset_index(drop=True)
+
+
 def _ratio(num: pd.Series, den: pd.Series) -> np.ndarray:
     num_a = np.asarray(num, dtype=np.float64)
     den_a = np.asarray(den, dtype=np.float64)
@@ -343,8 +398,11 @@ def pool_shares(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: StepR
     ``tail_to_sample`` = extreme_share / sample_share: above 1, a pool holds more of the tail
     than of the samples. Shares of an empty total are null.
     """
-    tok = aggregate(con, run_dir, "tokens", ["pool"], steps=steps, per_step=False)
-    seq = aggregate(con, run_dir, "sequences", ["pool"], steps=steps, per_step=False)
+    span = _whole(con, run_dir, steps)
+    first, width = (span[0], span[1] - span[0] + 1) if span is not None else (0, 1)
+    kw: dict[str, Any] = dict(first=first, width=width, steps=span if span is not None else (0, -1))
+    tok = aggregate_binned(con, run_dir, "tokens", ["pool"], **kw)
+    seq = aggregate_binned(con, run_dir, "sequences", ["pool"], **kw)
     out = tok[["pool", "n_tokens", "n_extreme"]].merge(seq[["pool", "n_sequences"]], on="pool", how="outer")
     for col in ("n_tokens", "n_extreme", "n_sequences"):
         out[col] = out[col].astype("float64").fillna(0.0)
@@ -427,8 +485,8 @@ def compare_runs(con: duckdb.DuckDBPyConnection, run_a: RunDir, run_b: RunDir, b
     """Metrics of two runs per slice, each merged over its step range: one row per (slice, metric)
     with columns *by, metric, a, b, diff (b - a) and rel (b / a - 1, null when a is 0 or null)."""
     by = list(by)
-    a = metric_series(con, run_a, by, metrics=metrics, steps=steps_a, per_step=False)
-    b = metric_series(con, run_b, by, metrics=metrics, steps=steps_b, per_step=False)
+    a = metric_totals(con, run_a, by, metrics=metrics, steps=steps_a)
+    b = metric_totals(con, run_b, by, metrics=metrics, steps=steps_b)
     long_a = a.melt(id_vars=by, value_vars=list(metrics), var_name="metric", value_name="a")
     long_b = b.melt(id_vars=by, value_vars=list(metrics), var_name="metric", value_name="b")
     out = long_a.merge(long_b, on=by + ["metric"], how="outer")
