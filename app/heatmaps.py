@@ -76,7 +76,8 @@ def hist_heatmap(hist: pd.DataFrame, bins: LogBins, *, x: XAxis = "step", width:
     hover[..., 1] = ranges[:, None]
     fig.add_trace(go.Heatmap(
         x=xs, y=y, z=z, customdata=hover,
-        colorscale=colorscale("Viridis"), hoverongaps=False, colorbar=dict(title="tokens", tickvals=tickvals, ticktext=ticktext),
+        colorscale=colorscale("Viridis"), hoverongaps=False,
+        colorbar=dict(title="tokens", tickvals=tickvals, ticktext=ticktext),
         hovertemplate="x=%{x}<br>|log ρ| in %{customdata[1]}<br>tokens=%{customdata[0]:,.0f}<extra></extra>"))
     fig.update_yaxes(type="log", dtick=1, title="|log ρ| (log scale)")
     fig.update_xaxes(title=x_title(x, width))
@@ -113,7 +114,8 @@ def bucket_heatmap(df: pd.DataFrame, value: str, bucket: str, *, labels: Mapping
         if finite.size:
             colorbar["tickvals"], colorbar["ticktext"] = _decade_ticks(float(finite.min()), float(finite.max()))
     fig.add_trace(go.Heatmap(
-        x=xs, y=row_names, z=z, customdata=values, colorscale=colorscale("Inferno"), hoverongaps=False, colorbar=colorbar,
+        x=xs, y=row_names, z=z, customdata=values, colorscale=colorscale("Inferno"), hoverongaps=False,
+        colorbar=colorbar,
         hovertemplate=f"x=%{{x}}<br>{bucket}=%{{y}}<br>{value_title or value}=%{{customdata:.4g}}<extra></extra>"))
     fig.update_yaxes(title=y_title or bucket, type="category")
     fig.update_xaxes(title=x_title(x, width))

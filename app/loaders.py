@@ -87,9 +87,11 @@ def meta(con: Con, run_dir: Path) -> Frames:
 def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) -> Frames:
     out, span = _start(con, run_dir, window, max_points)
     out["events"] = query.alert_events(con, run_dir)
+    out["firing"] = query.firing_alerts(out["events"])
     index = out["index"]
     observed = index.loc[index["n_tokens"] > 0, "step"]
     last = int(observed.max()) if len(observed) else -1   # the latest step with observations
+    out["latest_step"] = last
     out["latest_fleet"] = query.metric_totals(con, run_dir, [], steps=(last, last))
     out["latest_pools"] = query.metric_totals(con, run_dir, ["pool"], steps=(last, last))
     if span is None:
@@ -155,6 +157,7 @@ def length_turn(con: Con, run_dir: Path, *, window: int | None, max_points: int,
     cap = query.run_config(run_dir).tis_cap
     cross["crossing_length"] = query.crossing_length(cross[MEAN_ABS], cap)
     out["crossing"] = cross
+    out["crossing_latest"] = cross.sort_values("step").groupby("pool", dropna=False).tail(1)
     out["cap"] = cap
     return out
 
@@ -183,7 +186,10 @@ def corrections(con: Con, run_dir: Path, *, window: int | None, max_points: int)
 def alerts(con: Con, run_dir: Path, *, window: int | None, max_points: int,
            metric: str | None = None) -> Frames:
     out, span = _start(con, run_dir, window, max_points)
-    out["events"] = query.alert_events(con, run_dir, steps=None if span is None else span.steps)
+    events = query.alert_events(con, run_dir, steps=None if span is None else span.steps)
+    out["events"] = events
+    out["firing"] = query.firing_alerts(events)
+    out["resyncs"] = events[(events["state"] == "firing") & events["resync"].fillna(False).astype(bool)]
     if span is None or metric is None:
         return out
     kw: dict[str, Any] = dict(first=span.first, width=span.width, steps=span.steps, metrics=[metric])

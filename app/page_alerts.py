@@ -5,7 +5,6 @@ from __future__ import annotations
 import streamlit as st
 
 from mismatch_monitor.app import data, layout, loaders, state, timeline
-from mismatch_monitor.query import firing_alerts
 
 view = state.current()
 
@@ -29,8 +28,7 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
                          "given an evaluator (`MismatchCollector(..., alert_evaluator=AlertEvaluator())`) "
                          "or by Prometheus from `alerts/mismatch_rules.yml`.")
             return
-        firing = firing_alerts(ev)
-        resyncs = ev[(ev["state"] == "firing") & ev["resync"].fillna(False).astype(bool)]
+        firing, resyncs = d["firing"], d["resyncs"]
         cols = st.columns(4)
         cols[0].metric("alert events", f"{len(ev):,}")
         cols[1].metric("firing now", f"{len(firing):,}")

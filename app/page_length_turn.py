@@ -54,7 +54,7 @@ if layout.page_header("Length and turn", view, "Per-token errors compound over l
         layout.chart(figures.line_figure(cross, "crossing_length", group="pool", x=view.x,
                                          smoothing=view.smoothing, width=span.width, y_title="T* (tokens)",
                                          log_y=True), key="lt_crossing")
-        last = cross.sort_values("step").groupby("pool", dropna=False).tail(1)
+        last = d["crossing_latest"]
         st.dataframe(last.assign(**{"T* (tokens)": last["crossing_length"].map(lambda v: layout.format_value("", v))})
                      [["pool", "step", "T* (tokens)"]], hide_index=True, width="stretch")
 

@@ -6,7 +6,6 @@ import streamlit as st
 
 from mismatch_monitor.app import data, figures, layout, loaders, state
 from mismatch_monitor.app.state import STATUS_MARK
-from mismatch_monitor.query import firing_alerts
 
 view = state.current()
 
@@ -27,8 +26,7 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         if span is None:
             layout.no_steps("the overview")
             return
-        events = d["events"]
-        firing = firing_alerts(events)
+        events, firing = d["events"], d["firing"]
         if not len(events):
             layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
         elif not len(firing):
@@ -42,7 +40,7 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         if not len(fleet):
             layout.empty("Steps were logged but none has an observation yet: every metric is null.")
             return
-        latest_step = int(d["index"].loc[d["index"]["n_tokens"] > 0, "step"].max())
+        latest_step = d["latest_step"]
         st.subheader(f"Fleet at step {latest_step}")
         cols = st.columns(5)
         for col, key in zip(cols, loaders.HEADLINE[:5]):

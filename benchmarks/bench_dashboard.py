@@ -10,8 +10,9 @@ engine once, and their statistics are logged round-robin, one per step, by ``Run
 page's loader (``app/loaders.py``: every query the page runs) is timed cold, on a fresh DuckDB
 connection, against two baselines over the same files (every file of the tables the loader
 reads) measured in the same run: ``SELECT count(*)``, which DuckDB answers from the Parquet
-footers without reading data, and one pass reading every column (``max`` of each). The Overview's first paint is timed in Debian's Chromium: from
-navigation to the page fully drawn, the dashboard started by ``mismatch-monitor dashboard``.
+footers without reading data, and one pass reading every column (``max`` of each). The
+Overview's first paint is timed in Debian's Chromium: from navigation to the page fully drawn,
+the dashboard started by ``mismatch-monitor dashboard``.
 """
 
 from __future__ import annotations
