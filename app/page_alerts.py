@@ -34,10 +34,13 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
         cols[1].metric("firing now", f"{len(firing):,}")
         cols[2].metric("resync triggers", f"{len(resyncs):,}")
         cols[3].metric("alerts", f"{ev['alert'].nunique():,}")
+        st.subheader("Timeline (marker colour: pool)")
+        layout.chart(timeline.events_strip(ev, x=view.x), key="alerts_strip")
         if metric is None:
             layout.empty(f"The alert {chosen!r} names no metric known to this version.")
         else:
             st.subheader(f"{chosen} on {layout.metric_label(metric)}")
+            st.caption("▲ firing · ▼ resolved · ★ resync triggered, on the line of the pool the event concerns")
             mine = ev[ev["alert"] == chosen]
             layout.chart(timeline.alert_timeline(d["series"], mine, metric, metric_label=layout.metric_label(metric),
                                                  x=view.x, smoothing=view.smoothing, first=span.first,

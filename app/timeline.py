@@ -74,3 +74,32 @@ def alert_timeline(series: pd.DataFrame, events: pd.DataFrame, metric: str, *, m
     fig.update_xaxes(title=x_title(x, width))
     finish(fig, height)
     return fig
+
+
+def events_strip(events: pd.DataFrame, *, x: XAxis = "step", height_per_alert: int = 36) -> go.Figure:
+    """Every event of a run on one timeline: a row per alert, a marker per event (its state),
+    coloured by pool; resync triggers as stars."""
+    fig = go.Figure()
+    if not len(events):
+        return fig
+    names = sorted(events["alert"].dropna().unique().tolist())
+    colors = color_map(group_names(events, "pool"))
+    resync = (events["state"] == "firing") & events["resync"].fillna(False).astype(bool)
+    for (symbol, _, name), rows, size in ((MARKERS["firing"], events["state"] == "firing", 10),
+                                          (MARKERS["resolved"], events["state"] == "resolved", 10),
+                                          (RESYNC, resync, 14)):
+        part = events[rows]
+        if not len(part):
+            continue
+        xs = part["step"] if x == "step" else pd.to_datetime(part["wall_time"], unit="s", utc=True)
+        fig.add_trace(go.Scatter(
+            x=xs, y=part["alert"], mode="markers", name=name,
+            marker=dict(symbol=symbol, size=size, line=dict(width=1, color="black"),
+                        color=[colors.get(label(p), "#888") for p in part["pool"]]),
+            text=[f"{a} · {label(p)} · {s}" for a, p, s in zip(part["alert"], part["pool"], part["state"])],
+            hovertemplate="%{text}<br>step %{x}<extra></extra>"))
+    fig.update_yaxes(type="category", categoryorder="array", categoryarray=names[::-1], title="")
+    fig.update_xaxes(title=x_title(x))
+    finish(fig, 120 + height_per_alert * len(names))
+    fig.update_layout(hovermode="closest")
+    return fig

@@ -69,7 +69,7 @@ def close(shown: str, want: float, rel: float) -> bool:
 
 # what each page shows on a run with observations: (charts at least, dataframes at least)
 EXPECTED = {"overview": (1, 2), "pools": (2, 2), "tails": (3, 0), "lowprob": (4, 1), "length-turn": (3, 1),
-            "routing": (2, 0), "corrections": (1, 1), "alerts": (1, 1), "compare": (2, 1), "exemplars": (0, 2)}
+            "routing": (2, 0), "corrections": (1, 1), "alerts": (2, 1), "compare": (2, 1), "exemplars": (0, 2)}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.url_path for p in PAGES])
@@ -170,7 +170,7 @@ def test_alerts_page_counts_every_event_and_resync(monkeypatch, runs: DashboardR
     events = runs.fleet.events
     assert number(shown["alert events"]) == len(events)
     assert number(shown["resync triggers"]) == sum(e["state"] == "firing" and e["resync"] for e in events)
-    assert at.subheader[0].value == "MismatchTailGrowth on p99 |lr|"
+    assert "MismatchTailGrowth on p99 |lr|" in [h.value for h in at.subheader]
     assert len(at.dataframe[0].value) == len(events)
 
 

@@ -196,3 +196,16 @@ def test_compare_lines_one_per_run() -> None:
     fig = comparison.compare_lines(a, a.assign(**{K3: [1e-6, 1e-6]}), K3, names=("A", "B"), metric_label="k3")
     assert [t.name for t in fig.data] == ["A", "B"] and fig.layout.yaxis.type == "log"
     assert len(comparison.compare_lines(a, None, K3, names=("A", "B"), metric_label="k3").data) == 1
+
+
+def test_events_strip_has_a_row_per_alert_and_stars_for_resyncs() -> None:
+    events = pd.DataFrame({"step": [1, 3, 2, 5], "wall_time": [0, 0, 0, 0], "alert": ["A", "A", "B", "B"],
+                           "pool": ["fp8", "fp8", "bf16", "bf16"], "state": ["firing", "resolved", "firing", "firing"],
+                           "resync": [False, False, True, False]})
+    fig = timeline.events_strip(events)
+    by_name = {t.name: t for t in fig.data}
+    assert list(by_name["firing"].x) == [1, 2, 5] and list(by_name["firing"].y) == ["A", "B", "B"]
+    assert list(by_name["resolved"].x) == [3]
+    assert list(by_name["resync triggered"].x) == [2] and list(by_name["resync triggered"].y) == ["B"]
+    assert list(fig.layout.yaxis.categoryarray) == ["B", "A"]
+    assert timeline.events_strip(events.iloc[:0]).data == ()
