@@ -25,6 +25,10 @@ Unit = Literal["nats", "ratio", "tokens", "sequences", "steps", "log_ratio", ""]
 Frame = pd.DataFrame
 
 
+def _f(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64)
+
+
 def _div(num: pd.Series | np.ndarray, den: pd.Series | np.ndarray) -> np.ndarray:
     num = np.asarray(num, dtype=np.float64)
     den = np.asarray(den, dtype=np.float64)
@@ -51,14 +55,14 @@ def _s(key, unit, label, description, fn) -> Metric:
 
 
 def _std_error(t: Frame) -> np.ndarray:
-    n = np.asarray(t["n_tokens"], dtype=np.float64)
+    n = _f(t["n_tokens"])
     mean = _div(t["sum_lr"], n)
     var = _div(np.asarray(t["sum_lr2"]) - n * mean * mean, n - 1)
     return np.sqrt(np.maximum(var, 0.0) / np.where(n > 0, n, np.nan))
 
 
 METRICS: tuple[Metric, ...] = (
-    _t("mismatch/n_tokens", "tokens", "tokens", "valid tokens observed", lambda t: t["n_tokens"].to_numpy(np.float64)),
+    _t("mismatch/n_tokens", "tokens", "tokens", "valid tokens observed", lambda t: _f(t["n_tokens"])),
     _t("mismatch/k1_kl", "nats", "k1 KL", "mean(-lr): signed estimate of KL(mu||pi); sign and trend show drift",
        lambda t: -_div(t["sum_lr"], t["n_tokens"])),
     _t("mismatch/k2_kl", "nats", "k2 KL", "mean(lr^2) / 2", lambda t: _div(t["sum_lr2"], 2 * t["n_tokens"])),
@@ -68,20 +72,20 @@ METRICS: tuple[Metric, ...] = (
        lambda t: _div(t["sum_lr"], t["n_tokens"])),
     _t("mismatch/log_ratio/std_error", "log_ratio", "std. error of mean lr",
        "standard error of the signed mean log ratio", _std_error),
-    _t("mismatch/log_ratio/min", "log_ratio", "min log ratio", "smallest lr", lambda t: t["min_lr"].to_numpy(np.float64)),
-    _t("mismatch/log_ratio/max", "log_ratio", "max log ratio", "largest lr", lambda t: t["max_lr"].to_numpy(np.float64)),
+    _t("mismatch/log_ratio/min", "log_ratio", "min log ratio", "smallest lr", lambda t: _f(t["min_lr"])),
+    _t("mismatch/log_ratio/max", "log_ratio", "max log ratio", "largest lr", lambda t: _f(t["max_lr"])),
     _t("mismatch/abs_log_ratio/mean", "log_ratio", "mean |lr|", "mean |log pi - log mu|",
        lambda t: _div(t["sum_abs_lr"], t["n_tokens"])),
     _t("mismatch/abs_log_ratio/max", "log_ratio", "max |lr|", "largest |lr| (exact)",
-       lambda t: t["max_abs_lr"].to_numpy(np.float64)),
+       lambda t: _f(t["max_abs_lr"])),
     _t("mismatch/mult_prob_error", "ratio", "mult. prob. error", "mean exp(|lr|) >= 1 (NeMo-RL token_mult_prob_error)",
        lambda t: _div(t["sum_exp_abs_lr"], t["n_tokens"])),
     _t("mismatch/chi2", "ratio", "chi^2", "mean(rho^2) - 1: variance of the importance weights",
        lambda t: _div(t["sum_rho2"], t["n_tokens"]) - 1.0),
     _t("mismatch/ess", "ratio", "ESS", "normalised effective sample size (sum rho)^2 / (n sum rho^2)",
-       lambda t: _div(np.square(t["sum_rho"].to_numpy(np.float64)), t["n_tokens"] * t["sum_rho2"])),
+       lambda t: _div(np.square(_f(t["sum_rho"])), t["n_tokens"] * t["sum_rho2"])),
     _t("mismatch/ess_capped", "ratio", "ESS (capped)", "normalised ESS of min(rho, tis_cap)",
-       lambda t: _div(np.square(t["sum_rho_capped"].to_numpy(np.float64)), t["n_tokens"] * t["sum_rho_capped2"])),
+       lambda t: _div(np.square(_f(t["sum_rho_capped"])), t["n_tokens"] * t["sum_rho_capped2"])),
     _t("mismatch/clip_high_fraction", "ratio", "clipped (rho > C)", "share of tokens with rho > tis_cap",
        lambda t: _div(t["n_clip_high"], t["n_tokens"])),
     _t("mismatch/clip_low_fraction", "ratio", "clipped (rho <= 1/C)", "share of tokens with rho <= 1 / tis_cap",
@@ -100,17 +104,17 @@ METRICS: tuple[Metric, ...] = (
     _t("mismatch/kept_logmass/mean", "log_ratio", "mean kept log-mass", "mean log S of the sampler's truncation",
        lambda t: _div(t["sum_kept_logmass"], t["n_kept_logmass"])),
     _t("mismatch/data_quality/nonfinite_tokens", "tokens", "non-finite tokens",
-       "tokens set aside for a NaN or infinite log-prob", lambda t: t["n_nonfinite"].to_numpy(np.float64)),
+       "tokens set aside for a NaN or infinite log-prob", lambda t: _f(t["n_nonfinite"])),
     _t("mismatch/data_quality/positive_logprob_tokens", "tokens", "positive log-prob tokens",
-       "tokens set aside for a log-prob above the tolerance", lambda t: t["n_positive_logprob"].to_numpy(np.float64)),
+       "tokens set aside for a log-prob above the tolerance", lambda t: _f(t["n_positive_logprob"])),
     _s("mismatch/seq/n_sequences", "sequences", "sequences", "sequences with a valid token",
-       lambda s: s["n_sequences"].to_numpy(np.float64)),
+       lambda s: _f(s["n_sequences"])),
     _s("mismatch/seq/log_ratio/mean", "log_ratio", "mean seq log ratio", "mean over sequences of sum_t lr",
        lambda s: _div(s["sum_seq_lr"], s["n_sequences"])),
     _s("mismatch/seq/log_ratio/min", "log_ratio", "min seq log ratio", "smallest sum_t lr",
-       lambda s: s["min_seq_lr"].to_numpy(np.float64)),
+       lambda s: _f(s["min_seq_lr"])),
     _s("mismatch/seq/log_ratio/max", "log_ratio", "max seq log ratio", "largest sum_t lr",
-       lambda s: s["max_seq_lr"].to_numpy(np.float64)),
+       lambda s: _f(s["max_seq_lr"])),
     _s("mismatch/seq/mean_log_ratio/mean", "log_ratio", "mean geo. log ratio",
        "mean over sequences of mean_t lr (log geometric-mean ratio)", lambda s: _div(s["sum_seq_mean_lr"], s["n_sequences"])),
     _s("mismatch/seq/max_abs_log_ratio/mean", "log_ratio", "mean seq max |lr|", "mean over sequences of max_t |lr|",
@@ -127,7 +131,7 @@ METRICS: tuple[Metric, ...] = (
     _s("mismatch/staleness/mean", "steps", "mean staleness", "mean trainer_version - policy_version",
        lambda s: _div(s["sum_staleness"], s["n_stale_known"])),
     _s("mismatch/staleness/max", "steps", "max staleness", "largest staleness",
-       lambda s: s["max_staleness"].to_numpy(np.float64)),
+       lambda s: _f(s["max_staleness"])),
 ) + tuple(
     Metric(f"mismatch/abs_log_ratio/{name}", "abs_hist", "log_ratio", f"{name} |lr|",
            f"{q:g} quantile of |lr| (nearest rank, within hist_relative_accuracy)")
@@ -150,6 +154,28 @@ def prometheus_name(key: str) -> str:
     return name
 
 
+def _columns(frame: pd.DataFrame) -> dict[str, np.ndarray]:
+    """Columns as numpy arrays: metric functions do plain array arithmetic (pandas' per-operation
+    overhead would dominate on frames of a few rows)."""
+    return {c: frame[c].to_numpy() for c in frame.columns}
+
+
+def _row_of(keys: pd.DataFrame, other: pd.DataFrame, by: list[str]) -> np.ndarray:
+    """For each row of ``other``, the row of ``keys`` with the same ``by`` values (-1: none).
+    ``keys`` rows are distinct; nulls match nulls (as in the SQL layer's GROUP BY)."""
+    n = len(keys)
+    if not by:
+        return np.zeros(len(other), dtype=np.int64) if n else np.full(len(other), -1)
+    code = np.zeros(n + len(other), dtype=np.int64)
+    for k in by:  # loop over key columns, not rows
+        both = pd.concat([keys[k], other[k]], ignore_index=True)
+        col_codes, uniques = pd.factorize(both, use_na_sentinel=False)
+        code = pd.factorize(code * len(uniques) + col_codes)[0]
+    position = np.full(int(code.max()) + 1, -1)
+    position[code[:n]] = np.arange(n)
+    return position[code[n:]]
+
+
 def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None = None, *,
            by: Sequence[str] = (), config: MetricConfig | None = None) -> pd.DataFrame:
     """Metric values per group of ``by`` columns from *summed* tables.
@@ -162,7 +188,7 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
     by = list(by)
     keys = tokens[by].reset_index(drop=True) if by else pd.DataFrame(index=range(len(tokens)))
     n = len(keys)
-    tok = tokens.reset_index(drop=True)
+    tok = _columns(tokens)
     values: dict[str, np.ndarray] = {}
     for m in METRICS:
         if m.table == "tokens":
@@ -170,8 +196,15 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
     seq_metrics = [m for m in METRICS if m.table == "sequences"]
     # sequences span turns: a turn-sliced row has no sequence-level value
     if sequences is not None and n and "turn_bucket" not in by:
-        seq = sequences.reset_index(drop=True)
-        joined = keys.merge(seq, on=by, how="left") if by else seq.reindex(range(n))
+        row = _row_of(keys, sequences, by)       # the group of each sequence row
+        hit = row >= 0
+        joined = {}
+        for c in sequences.columns:
+            if c in by or sequences[c].dtype.kind not in "iuf":
+                continue
+            column = np.full(n, np.nan)
+            column[row[hit]] = sequences[c].to_numpy()[hit]
+            joined[c] = column
         for m in seq_metrics:
             values[m.key] = np.asarray(m.fn(joined), dtype=np.float64)
     else:
@@ -179,14 +212,11 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
             values[m.key] = np.full(n, np.nan)
     qkeys = [f"mismatch/abs_log_ratio/{name}" for name, _ in QUANTILES]
     if abs_hist is not None and n and len(abs_hist):
-        if by:
-            codes = keys.reset_index().merge(abs_hist, on=by, how="inner")
-            group = codes["index"].to_numpy()
-        else:
-            codes = abs_hist
-            group = np.zeros(len(abs_hist), dtype=np.int64)
+        group = _row_of(keys, abs_hist, by)
+        hit = group >= 0
         vals = quantiles_from_counts(
-            LogBins.from_config(config), group, codes["bin"].to_numpy(), codes["count"].to_numpy(),
+            LogBins.from_config(config), group[hit], abs_hist["bin"].to_numpy()[hit],
+            abs_hist["count"].to_numpy()[hit],
             tuple(q for _, q in QUANTILES), exact_max=values["mismatch/abs_log_ratio/max"])
         for j, k in enumerate(qkeys):
             values[k] = vals[:, j]

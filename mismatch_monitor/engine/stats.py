@@ -7,6 +7,7 @@ ranks, steps and slices combine exactly, in pandas here and in SQL in the query 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -65,6 +66,12 @@ def table_schema(table: str, dims: Sequence[str]) -> dict[str, str]:
 
 
 def empty_table(table: str, dims: Sequence[str]) -> pd.DataFrame:
+    return _empty_template(table, tuple(dims)).copy()
+
+
+@functools.lru_cache(maxsize=256)
+def _empty_template(table: str, dims: tuple[str, ...]) -> pd.DataFrame:
+    # building typed empty columns costs milliseconds; the engine asks for them every step
     return pd.DataFrame({c: pd.Series([], dtype=dt) for c, dt in table_schema(table, dims).items()})
 
 
@@ -76,8 +83,7 @@ def _group(df: pd.DataFrame, table: str, by: list[str]) -> pd.DataFrame:
         # a grand total: one row, or none when nothing was observed
         if len(df) == 0:
             return df[list(rules)].iloc[0:0].reset_index(drop=True)
-        return pd.DataFrame({c: [_agg(df[c], r)] for c, r in rules.items()}).astype(
-            {f.name: f.dtype for f in TABLES[table][1]})
+        return pd.DataFrame({c: _total(df[c].to_numpy(), r) for c, r in rules.items()})
     return aggregate(df, group_keys, rules)
 
 
@@ -93,7 +99,8 @@ def aggregate(df: pd.DataFrame, keys: list[str], rules: dict[str, str]) -> pd.Da
         code = pd.factorize(code, sort=True)[0]      # stay dense: no overflow with many keys
     groups, first, inverse = np.unique(code, return_index=True, return_inverse=True)
     G = len(groups)
-    out = df[keys].iloc[first].reset_index(drop=True)
+    # build every column first and the frame once: setting columns one by one costs more
+    data: dict[str, object] = {k: df[k].array.take(first) for k in keys}
     for col, rule in rules.items():
         values = df[col].to_numpy()
         if rule == "sum":
@@ -102,18 +109,20 @@ def aggregate(df: pd.DataFrame, keys: list[str], rules: dict[str, str]) -> pd.Da
                 np.add.at(summed, inverse, values)
             else:
                 summed = np.bincount(inverse, weights=values, minlength=G).astype(values.dtype)
-            out[col] = summed
+            data[col] = summed
         else:
             acc = np.full(G, np.nan)
             (np.fmax if rule == "max" else np.fmin).at(acc, inverse, values.astype(np.float64))
-            out[col] = acc.astype(values.dtype) if values.dtype.kind in "iu" else acc
-    return out[keys + list(rules)]
+            data[col] = acc.astype(values.dtype) if values.dtype.kind in "iu" else acc
+    return pd.DataFrame(data)
 
 
-def _agg(series: pd.Series, rule: str):
+def _total(values: np.ndarray, rule: str) -> np.ndarray:
+    """One-element merge of a whole column (NaN extremes are skipped; all NaN stays NaN)."""
     if rule == "sum":
-        return series.sum()
-    return series.max() if rule == "max" else series.min()
+        return np.array([values.sum()], dtype=values.dtype)
+    ext = (np.fmax if rule == "max" else np.fmin).reduce(values.astype(np.float64))
+    return np.array([ext]).astype(values.dtype) if values.dtype.kind in "iu" else np.array([ext])
 
 
 def merge(parts: Iterable[MismatchStats]) -> MismatchStats:
