@@ -22,13 +22,14 @@ import time
 import weakref
 from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
+import numpy as np
 import pandas as pd
 
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import tail_exemplars
-from ..metrics import metric_tables, report
+from ..metrics import derive, metric_tables, report
 from ..store import RunWriter
 
 log = logging.getLogger("mismatch_monitor")
@@ -90,17 +91,14 @@ def flatten_report(fleet: pd.DataFrame, by_pool: pd.DataFrame) -> dict[str, floa
     out: dict[str, float] = {}
     metric_cols = [c for c in fleet.columns if c.startswith("mismatch/")]
     if len(fleet):
-        for key in metric_cols:
-            value = float(fleet[key].iloc[0])
-            if not math.isnan(value):
-                out[key] = value
-    for _, row in by_pool.iterrows():  # one row per pool
-        pool = row["pool"]
-        prefix = f"mismatch/pool={'unknown' if pd.isna(pool) else pool}/"
-        for key in metric_cols:
-            value = float(row[key])
-            if not math.isnan(value):
-                out[prefix + key[len("mismatch/"):]] = value
+        values = fleet[metric_cols].to_numpy(np.float64)[0]
+        out.update((k, float(v)) for k, v in zip(metric_cols, values) if not math.isnan(v))
+    if len(by_pool):
+        table = by_pool[metric_cols].to_numpy(np.float64)               # [pools, metrics]
+        short = [k[len("mismatch/"):] for k in metric_cols]
+        for pool, row in zip(by_pool["pool"].tolist(), table):           # one row per pool
+            prefix = f"mismatch/pool={'unknown' if pd.isna(pool) else pool}/"
+            out.update((prefix + k, float(v)) for k, v in zip(short, row) if not math.isnan(v))
     return out
 
 
@@ -195,7 +193,8 @@ class MismatchCollector:
                     self._append_empty(step, wall)
                     return {"mismatch/collector_errors": float(self.error_count)}
             pool_level = metric_tables(stats).marginal(["pool"])   # merge cells once
-            by_pool = report(pool_level, ["pool"], self.config)
+            by_pool = derive(pool_level["tokens"], pool_level["sequences"], pool_level["abs_hist"],
+                             by=["pool"], config=self.config)
             fleet = report(pool_level, (), self.config)
             if self.writer is not None:
                 events = self._evaluate_alerts(step, wall, by_pool, fleet)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import numpy as np
 import pandas as pd
 
 from ..config import MetricConfig
@@ -63,7 +64,8 @@ class RunWriter:
         self._ids = ids or IdSource()
         self._flush_every_steps = flush_every_steps
         self._flush_every_seconds = flush_every_seconds
-        self._buffer: dict[str, list[pd.DataFrame]] = {t: [] for t in DATA_TABLES}
+        # per table: (step or None, frame); the step column is added once, at flush
+        self._buffer: dict[str, list[tuple[int | None, pd.DataFrame]]] = {t: [] for t in DATA_TABLES}
         self._steps: list[dict[str, Any]] = []
         self._last_flush = clock()
         self._lock = threading.RLock()
@@ -122,10 +124,10 @@ class RunWriter:
             if stats is not None:
                 for table, df in stats.tables.items():
                     if len(df):
-                        self._buffer[table].append(df.assign(step=step))
+                        self._buffer[table].append((step, df))
             for table, df in (exemplars or {}).items():
                 if len(df):
-                    self._buffer[table].append(df.assign(step=step))
+                    self._buffer[table].append((step, df))
             tokens = stats.tables["tokens"] if stats is not None else None
             seqs = stats.tables["sequences"] if stats is not None else None
             self._steps.append({
@@ -142,7 +144,7 @@ class RunWriter:
     def append_alerts(self, rows: list[Mapping[str, Any]]) -> None:
         if rows:
             with self._lock:
-                self._buffer["alerts"].append(pd.DataFrame([dict(r) for r in rows]))
+                self._buffer["alerts"].append((None, pd.DataFrame([dict(r) for r in rows])))
 
     def _due(self) -> bool:
         return (len(self._steps) >= self._flush_every_steps
@@ -164,7 +166,9 @@ class RunWriter:
                 frames = self._buffer[table]
                 if not frames:
                     continue
-                df = pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+                df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
+                if frames[0][0] is not None:  # rows of steps (alert rows carry their own step)
+                    df = df.assign(step=np.repeat([s for s, _ in frames], [len(f) for _, f in frames]))
                 self._write(table, df, write_id)
                 self._buffer[table] = []
             steps = pd.DataFrame(self._steps)
