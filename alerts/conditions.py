@@ -50,6 +50,11 @@ def _check_metric(key: str) -> None:
         raise ValueError(f"expected a metric key of mismatch_monitor.metrics.METRICS, got {key!r}")
 
 
+def _non_negative(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"expected {name} >= 0, got {value}")
+
+
 def _positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"expected {name} > 0, got {value}")
@@ -109,8 +114,7 @@ class GrowthOverBaseline:
             raise ValueError(f"expected integer window_steps >= 1, got {self.window_steps!r}")
         if not (isinstance(self.min_points, int) and 1 <= self.min_points <= self.window_steps):
             raise ValueError(f"expected integer 1 <= min_points <= window_steps, got {self.min_points!r}")
-        if not (math.isfinite(self.floor) and self.floor >= 0):
-            raise ValueError(f"expected floor >= 0, got {self.floor}")
+        _non_negative("floor", self.floor)
 
     @property
     def threshold(self) -> float:
@@ -167,8 +171,7 @@ class MeanAwayFromZero:
         _check_metric(self.mean)
         _check_metric(self.std_error)
         _positive("z", self.z)
-        if not (math.isfinite(self.floor) and self.floor >= 0):
-            raise ValueError(f"expected floor >= 0, got {self.floor}")
+        _non_negative("floor", self.floor)
 
     @property
     def threshold(self) -> float:
@@ -213,8 +216,7 @@ class OutlierAmongPools:
         _positive("factor", self.factor)
         if not (isinstance(self.min_pools, int) and self.min_pools >= 2):
             raise ValueError(f"expected integer min_pools >= 2, got {self.min_pools!r}")
-        if not (math.isfinite(self.floor) and self.floor >= 0):
-            raise ValueError(f"expected floor >= 0, got {self.floor}")
+        _non_negative("floor", self.floor)
 
     @property
     def threshold(self) -> float:
