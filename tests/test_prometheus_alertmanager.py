@@ -21,6 +21,8 @@ from typing import Any
 from mismatch_monitor.alerts import DEFAULT_RULES
 from mismatch_monitor.alerts.render import ALERTMANAGER_EXAMPLE
 
+from servers import stop_process
+
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
 RULES = {r.name: r for r in DEFAULT_RULES}
 
@@ -94,12 +96,7 @@ def test_resyncs_reach_the_webhook_and_inhibit_the_pools_warnings(tmp_path):
         assert states[("MismatchTailGrowth", "fp8")]["inhibitedBy"]
         assert states[("MismatchTailGrowth", "bf16")]["state"] == "active"   # another pool: not inhibited
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
         hook.shutdown()
         hook.server_close()

@@ -28,6 +28,8 @@ from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.exporter import MismatchExporter
 
+from servers import stop_process
+
 PROMETHEUS = shutil.which("prometheus")
 
 
@@ -72,12 +74,7 @@ def prometheus(workdir: Path, target_port: int, rules: str) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 
