@@ -187,6 +187,22 @@ def latest(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = 
     return metric_series(con, run_dir, by, metrics=metrics, steps=(last, last))
 
 
+def metric_series_runs(con: duckdb.DuckDBPyConnection, run_dirs: Sequence[RunDir], by: Sequence[str] = (), *,
+                       metrics: Sequence[str] | None = None, steps: StepRange = None,
+                       where: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """:func:`metric_series` of several runs, one frame with a leading ``run`` column (run ids
+    from run.json; each run is derived with its own metric config)."""
+    frames = []
+    for run_dir in run_dirs:
+        df = metric_series(con, run_dir, by, metrics=metrics, steps=steps, where=where)
+        frames.append(df.assign(run=read_run_info(run_dir)["run_id"]))
+    if not frames:
+        return pd.DataFrame({"run": pd.Series([], dtype="string")})
+    observed = [f for f in frames if len(f)]      # empty runs add no rows (nor float dtypes)
+    out = pd.concat(observed, ignore_index=True) if observed else frames[0]
+    return out[["run"] + [c for c in out.columns if c != "run"]]
+
+
 def histogram(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str = "abs_hist",
               by: Sequence[str] = (), *, steps: StepRange = None,
               where: Mapping[str, str] | None = None) -> pd.DataFrame:

@@ -151,3 +151,18 @@ def test_missing_labels_are_null_not_a_string(tmp_path):
     rows = {(None if pd.isna(p) else p, None if pd.isna(h) else h): n
             for p, h, n in zip(got["pool"], got["hardware"], got["mismatch/n_tokens"])}
     assert rows == {("a", "H100"): 12, (None, None): 12}
+
+
+def test_several_runs_at_once(logged, tmp_path):
+    run, stats, _ = logged
+    other = tmp_path / "other"
+    with MismatchCollector(other, run_id="other-run", alert_evaluator=None) as mc:
+        mc.log_step(0, make_batch(0, seed=3, scale=0.2))
+    MismatchCollector(tmp_path / "empty").close()
+    con = query.connect()
+    both = query.metric_series_runs(con, [run, other, tmp_path / "empty"], ["pool"],
+                                    metrics=["mismatch/k3_kl"])
+    assert list(both.columns) == ["run", "step", "wall_time", "pool", "mismatch/k3_kl"]
+    assert both.groupby("run").size().to_dict() == {"r1": 3 * STEPS, "other-run": 3}
+    mine = both[both["run"] == "r1"].drop(columns="run").reset_index(drop=True)
+    pd.testing.assert_frame_equal(mine, query.metric_series(con, run, ["pool"], metrics=["mismatch/k3_kl"]))
