@@ -21,7 +21,7 @@ collector, which records the failed step with the real error (and raises only in
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 

@@ -91,7 +91,6 @@ def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None
     if k <= 0 or batch.num_tokens == 0:
         return {name: empty_exemplars(name) for name in EXEMPLAR_TABLES}
     seqs = sequences if sequences is not None else sequence_values(batch, config)
-    B = batch.num_sequences
     has = seqs.n_valid > 0
     score = torch.where(has, seqs.max_abs_lr.to(torch.float64), -1.0)
     ks = min(k, int(has.sum()))

@@ -1,0 +1,25 @@
+"""The DuckDB query layer: every SQL statement of the project lives in this package, parameterised.
+
+Readers resolve each step to the file set that last wrote it (``steps`` index, highest
+``write_id``, then highest ``file_id``), so restarts and compactions never show a step twice,
+and data files a crashed flush left without an index entry are ignored. Sufficient statistics
+are summed (``sum``/``max``/``min`` per ``engine/fields.py``) in SQL and metrics are derived
+afterwards by :func:`mismatch_monitor.metrics.derive`, so a marginal means what a cell means.
+Identifiers (group-by columns) are checked against the known key columns; every value is bound.
+
+``core`` holds the readers every part uses; ``views`` what the dashboard reads beyond them.
+"""
+
+from .core import (aggregate, connect, copy_current, histogram, latest, metric_series, metric_series_runs,
+                   rows, run_config, steps_index, table_files, token_cell_table)
+from .core import _retry  # noqa: F401  (compaction documents the retry it relies on)
+from .views import (ALERT_COLUMNS, aggregate_binned, alert_events, compare_runs, crossing_length,
+                    distinct_values, exemplar_steps, firing_alerts, lowprob_series, metric_series_binned,
+                    metric_totals, pool_shares, routing_layer_series, step_width)
+from .views import _current_sources  # noqa: F401  (tested directly)
+
+__all__ = ["connect", "table_files", "run_config", "steps_index", "aggregate", "metric_series", "latest",
+           "metric_series_runs", "histogram", "rows", "copy_current", "token_cell_table", "ALERT_COLUMNS",
+           "step_width", "aggregate_binned", "metric_series_binned", "metric_totals", "pool_shares",
+           "lowprob_series", "routing_layer_series", "crossing_length", "alert_events", "firing_alerts",
+           "exemplar_steps", "compare_runs", "distinct_values"]
