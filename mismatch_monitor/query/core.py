@@ -40,6 +40,18 @@ def table_files(run_dir: RunDir, table: str) -> list[str]:
     return sorted(str(p) for p in (Path(run_dir) / table).glob("*.parquet"))
 
 
+def current_files(run_dir: RunDir, table: str) -> dict[str, list[str]]:
+    """``{"steps": index files, "files": data files}``, listed in that order.
+
+    The order matters while a compaction runs: its data files are written before its index and
+    the old index files are removed before the old data files. Listing the index first, a
+    reader's index never names a data file its list lacks, and a file removed meanwhile fails
+    the read (no such file) and is retried with fresh lists.
+    """
+    steps = table_files(run_dir, STEPS_TABLE)
+    return {"steps": steps, "files": table_files(run_dir, table)}
+
+
 def run_config(run_dir: RunDir) -> MetricConfig:
     return MetricConfig.from_dict(read_run_info(run_dir)["config"])
 
@@ -141,7 +153,7 @@ def aggregate(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, by: S
            f"{where_sql}{group}{order}")
 
     def run() -> pd.DataFrame:
-        p = dict(params, files=table_files(run_dir, table), steps=table_files(run_dir, STEPS_TABLE))
+        p = dict(params, **current_files(run_dir, table))
         return con.execute(sql, p).df()
 
     df = _retry(run)
@@ -236,8 +248,7 @@ def rows(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, *, steps: 
     sql = (f"WITH {_index_cte()} SELECT t.* EXCLUDE (write_id, file_id), idx.wall_time AS step_wall_time "
            f"FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id)"
            f"{where_sql}{order}{limit_sql}")
-    return _retry(lambda: con.execute(sql, dict(params, files=table_files(run_dir, table),
-                                                steps=table_files(run_dir, STEPS_TABLE))).df())
+    return _retry(lambda: con.execute(sql, dict(params, **current_files(run_dir, table))).df())
 
 
 def copy_current(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, files: list[str],

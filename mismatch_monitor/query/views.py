@@ -19,8 +19,8 @@ import pandas as pd
 from ..engine.fields import TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
 from ..store.schema import STEPS_TABLE
-from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _retry, _step_filter, metric_series,
-                   rows, run_config, steps_index, table_files)
+from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _retry, _step_filter, current_files,
+                   metric_series, rows, run_config, steps_index, table_files)
 
 
 ALERT_COLUMNS: tuple[str, ...] = ("step", "wall_time", "alert", "severity", "pool", "state", "value",
@@ -43,7 +43,8 @@ def _current_sources(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
     names (a file's name carries its file_id) and the per-row join with the index can be skipped.
     Otherwise every data file is returned and the caller joins.
     """
-    files, step_files = table_files(run_dir, table), table_files(run_dir, STEPS_TABLE)
+    listed = current_files(run_dir, table)             # index first: see current_files
+    files, step_files = listed["files"], listed["steps"]
     if not files or not step_files:
         return files, step_files, False
     unique, ids = con.execute("SELECT count(*) = count(DISTINCT step), list(DISTINCT file_id) "
@@ -250,8 +251,7 @@ def exemplar_steps(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFr
     sql = (f"WITH {_index_cte()} SELECT t.step, max(t.abs_log_ratio) AS max_abs_log_ratio "
            "FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
            "GROUP BY t.step ORDER BY t.step")
-    return _retry(lambda: con.execute(sql, {"files": table_files(run_dir, "exemplar_tokens"),
-                                             "steps": table_files(run_dir, STEPS_TABLE)}).df())
+    return _retry(lambda: con.execute(sql, current_files(run_dir, "exemplar_tokens")).df())
 
 
 def compare_runs(con: duckdb.DuckDBPyConnection, run_a: RunDir, run_b: RunDir, by: Sequence[str] = (), *,
@@ -285,6 +285,5 @@ def distinct_values(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str,
     sql = (f'WITH {_index_cte()} SELECT DISTINCT t."{column}" AS v '
            "FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
            "ORDER BY v NULLS LAST")
-    df = _retry(lambda: con.execute(sql, {"files": table_files(run_dir, table),
-                                          "steps": table_files(run_dir, STEPS_TABLE)}).df())
+    df = _retry(lambda: con.execute(sql, current_files(run_dir, table)).df())
     return [None if pd.isna(v) else v for v in df["v"].tolist()]
