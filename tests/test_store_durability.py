@@ -156,3 +156,28 @@ def test_compaction_under_readers_never_shows_a_step_twice_or_not_at_all(tmp_pat
         mc.log_step(12, make_batch(12))
     compact_run(run)
     assert query.steps_index(con, run)["step"].tolist() == list(range(13))
+
+
+def test_repeated_compaction_while_a_writer_appends_and_readers_read(tmp_path):
+    """Compactions race a live writer and a reader: every visible step shows its 3 pools once,
+    visible steps never go backwards, and nothing a reader runs fails."""
+    run = tmp_path / "busy"
+    MismatchCollector(run).close()
+    stop, errors, seen = threading.Event(), [], []
+    reader = threading.Thread(target=_reader_loop, args=(run, stop, errors, seen, 3))
+    reader.start()
+    proc = _writer(run, 0, 30)
+    compactions = 0
+    try:
+        while proc.poll() is None:
+            compact_run(run)
+            compactions += 1
+        assert proc.wait(timeout=180) == 0
+        compact_run(run)
+    finally:
+        stop.set()
+        reader.join(timeout=60)
+    assert errors == []
+    assert compactions >= 3 and seen == sorted(seen)
+    steps = query.steps_index(query.connect(), run)["step"].tolist()
+    assert steps == list(range(30))

@@ -86,9 +86,11 @@ def _step_filter(steps: StepRange, params: dict[str, Any], alias: str = "t") -> 
     return clauses  # type: ignore[return-value]
 
 
-def _columns(con: duckdb.DuckDBPyConnection, files: list[str]) -> set[str]:
-    rel = con.execute("DESCRIBE SELECT * FROM read_parquet($f, union_by_name=true)", {"f": files})
-    return {row[0] for row in rel.fetchall()}
+def _columns(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str) -> set[str]:
+    """Column names over a table's current files (listed afresh when a compaction removed one)."""
+    sql = "DESCRIBE SELECT * FROM read_parquet($f, union_by_name=true)"
+    rel = _retry(lambda: con.execute(sql, {"f": table_files(run_dir, table)}).fetchall())
+    return {row[0] for row in rel}
 
 
 def _check_keys(by: Sequence[str], available: set[str], table: str) -> None:
@@ -131,7 +133,7 @@ def aggregate(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, by: S
     out_cols = lead + by + extra + list(rules)
     if not files or not step_files:
         return pd.DataFrame({c: [] for c in out_cols})
-    available = _columns(con, files)
+    available = _columns(con, run_dir, table)
     _check_keys(by + list((where or {}).keys()), available, table)
     params: dict[str, Any] = {}
     clauses = _step_filter(steps, params)
@@ -232,7 +234,7 @@ def rows(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, *, steps: 
     files = table_files(run_dir, table)
     if not files or not table_files(run_dir, STEPS_TABLE):
         return pd.DataFrame()
-    available = _columns(con, files)
+    available = _columns(con, run_dir, table)
     params: dict[str, Any] = {}
     clauses = _step_filter(steps, params)
     where_sql = (" WHERE " + " AND ".join(clauses)) if clauses else ""

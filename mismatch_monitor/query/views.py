@@ -80,7 +80,7 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
     files = table_files(run_dir, table)
     if not files or not table_files(run_dir, STEPS_TABLE):
         return pd.DataFrame({c: [] for c in out_cols})
-    available = _columns(con, files)
+    available = _columns(con, run_dir, table)
     _check_keys(by + list((where or {}).keys()), available, table)
     params: dict[str, Any] = {"first": int(first), "width": int(width)}
     clauses = ["t.step >= $first"] + _step_filter(steps, params)
@@ -281,7 +281,7 @@ def distinct_values(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str,
     files = table_files(run_dir, table)
     if not files or not table_files(run_dir, STEPS_TABLE):
         return []
-    _check_keys([column], _columns(con, files), table)
+    _check_keys([column], _columns(con, run_dir, table), table)
     sql = (f'WITH {_index_cte()} SELECT DISTINCT t."{column}" AS v '
            "FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
            "ORDER BY v NULLS LAST")
