@@ -32,7 +32,7 @@ dashboard: install
 	$(VENV)/bin/mismatch-monitor dashboard sample_data
 
 bench: install
-	$(PY) benchmarks/bench_engine.py --sizes 100000 1000000
+	$(PY) benchmarks/bench_engine.py --sizes 100k,1M --routing-tokens 200k
 	$(PY) benchmarks/bench_collector.py
 	$(PY) benchmarks/bench_sim.py
 
