@@ -27,7 +27,8 @@ def prom_quantile(q: float, values: Sequence[float] | np.ndarray) -> float:
     lower = max(0, math.floor(rank))
     upper = min(v.size - 1, lower + 1)
     weight = rank - math.floor(rank)
-    return float(v[lower] * (1 - weight) + v[upper] * weight)
+    with np.errstate(invalid="ignore"):   # inf * 0 is NaN here as in Prometheus (Go): no warning
+        return float(v[lower] * (1 - weight) + v[upper] * weight)
 
 
 def duration(seconds: float) -> str:

@@ -54,6 +54,16 @@ def _s(key, unit, label, description, fn) -> Metric:
     return Metric(key, "sequences", unit, label, description, fn)
 
 
+def _ess(sum_w, sum_w2, n) -> np.ndarray:
+    """(sum w)^2 / (n sum w^2). A weight above ~e^354 overflows sum w^2 (and above ~e^709 sum w):
+    then one weight dominates every other and the ratio's limit is 1/n, not the NaN of inf/inf,
+    which would hide a collapse from the low-ESS alert."""
+    sum_w, sum_w2, n = _f(sum_w), _f(sum_w2), _f(n)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ess = _div(np.square(sum_w), n * sum_w2)
+    return np.where(np.isinf(sum_w2) & (n > 0), 1.0 / np.where(n > 0, n, 1.0), ess)
+
+
 def _std_error(t: Frame) -> np.ndarray:
     n = _f(t["n_tokens"])
     mean = _div(t["sum_lr"], n)
@@ -83,7 +93,7 @@ METRICS: tuple[Metric, ...] = (
     _t("mismatch/chi2", "ratio", "chi^2", "mean(rho^2) - 1: variance of the importance weights",
        lambda t: _div(t["sum_rho2"], t["n_tokens"]) - 1.0),
     _t("mismatch/ess", "ratio", "ESS", "normalised effective sample size (sum rho)^2 / (n sum rho^2)",
-       lambda t: _div(np.square(_f(t["sum_rho"])), t["n_tokens"] * t["sum_rho2"])),
+       lambda t: _ess(t["sum_rho"], t["sum_rho2"], t["n_tokens"])),
     _t("mismatch/ess_capped", "ratio", "ESS (capped)", "normalised ESS of min(rho, tis_cap)",
        lambda t: _div(np.square(_f(t["sum_rho_capped"])), t["n_tokens"] * t["sum_rho_capped2"])),
     _t("mismatch/clip_high_fraction", "ratio", "clipped (rho > C)", "share of tokens with rho > tis_cap",

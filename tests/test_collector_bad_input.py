@@ -95,3 +95,21 @@ def test_failing_callbacks_never_break_training(tmp_path):
     assert out["mismatch/collector_errors"] == 1 and mc.errors_by_kind == {"ZeroDivisionError": 1}
     alerts = query.rows(query.connect(), tmp_path / "r", "alerts")
     assert alerts["alert"].tolist() == ["LowESS"] and alerts["step"].tolist() == [1]
+
+
+def test_an_overflowing_weight_gives_a_tiny_ess_not_null(tmp_path):
+    """rho = exp(400) overflows rho^2 (and exp(800) rho itself): ESS is then ~1/n, and the
+    low-ESS resync alert must still fire rather than read a null."""
+    resyncs = []
+    for huge in (400.0, 800.0):
+        t = torch.full((2, 50), -1.0, dtype=torch.float64)
+        s = t - 1e-3
+        s[0, 0] = -huge - 1.0                                # a token the sampler thought impossible
+        with MismatchCollector(tmp_path / f"r{huge}", flush_every_steps=1) as mc:
+            mc.on_resync(lambda e: resyncs.append(e.alert))
+            for step in range(2):                            # the alert holds for one step first
+                out = mc.log_step(step, trainer_logprobs=t, sampler_logprobs=s,
+                                  response_mask=torch.ones(2, 50), labels={"pool": ["a", "a"]})
+        assert out["mismatch/ess"] == pytest.approx(1 / 100, rel=1e-12)
+        assert out["mismatch/pool=a/ess"] == pytest.approx(1 / 100, rel=1e-12)
+    assert resyncs == ["MismatchLowESS", "MismatchLowESS"]
