@@ -18,7 +18,7 @@ sums equal them up to summation order, a relative difference of at most about
 histograms are therefore exact reproductions of the single-process ones.
 
 Exemplars are the global top K (largest |lr| tokens, largest max |lr| sequences). Their
-``seq_index`` is the sequence's index within its own rank's batch.
+``seq_index`` is the sequence's index within the batch of the rank in their ``rank`` column.
 
 The statistics travel as pickled objects (``gather_object``): a step's tables are small (one
 row per non-empty slice cell), so this costs one small collective per step; see
@@ -75,6 +75,8 @@ class DistributedReducer:
         return self.rank == self.dst
 
     def __call__(self, stats: MismatchStats, exemplars: Exemplars) -> tuple[MismatchStats, Exemplars]:
+        # an exemplar's seq_index counts within its own rank's batch: keep the rank beside it
+        exemplars = {name: df.assign(rank=self.rank) for name, df in exemplars.items()}
         payload = (stats.tables, tuple(stats.dims), exemplars)
         if self.all_ranks:
             parts: list[Any] = [None] * self.world_size

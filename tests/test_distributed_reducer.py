@@ -169,6 +169,11 @@ def test_exemplars_are_the_global_top_k(spawned):
     lr = (full.trainer_logprobs.double() - full.sampler_logprobs.double()).numpy()
     top = np.sort(np.abs(lr[np.isfinite(lr)]))[-K:]
     np.testing.assert_array_equal(np.sort(got["exemplar_tokens"]["abs_log_ratio"].to_numpy()), top)
+    # each exemplar names its rank: (rank, seq_index, position) finds the token in that rank's shard
+    for _, row in got["exemplar_tokens"].iterrows():
+        part = shard(0, int(row["rank"]))
+        at = (part.seq_index == row["seq_index"]) & (part.position == row["position"])
+        assert float(part.trainer_logprobs[at].double()) == row["trainer_logprob"]
 
 
 def test_collector_writes_once_and_matches_single_process_store(spawned, tmp_path):

@@ -62,7 +62,8 @@ def render() -> str:
 ## `exemplar_tokens`, `exemplar_sequences`
 
 The K worst tokens (largest |lr|) and sequences (largest max |lr|) of each step, with their
-labels; merged across ranks by keeping the global top K.
+labels; merged across ranks by keeping the global top K. Runs logged through the multi-rank
+reducer add `rank`: an exemplar's `seq_index` counts within that rank's batch.
 
 """)
     for name in ("exemplar_tokens", "exemplar_sequences"):
