@@ -73,8 +73,8 @@ def _index_cte() -> str:
             "QUALIFY row_number() OVER (PARTITION BY step ORDER BY write_id DESC, file_id DESC) = 1)")
 
 
-def _step_filter(steps: StepRange, params: dict[str, Any], alias: str = "t") -> str:
-    clauses = []
+def _step_filter(steps: StepRange, params: dict[str, Any], alias: str = "t") -> list[str]:
+    clauses: list[str] = []
     if steps is not None:
         lo, hi = steps
         if lo is not None:
@@ -83,7 +83,25 @@ def _step_filter(steps: StepRange, params: dict[str, Any], alias: str = "t") -> 
         if hi is not None:
             clauses.append(f"{alias}.step <= $step_hi")
             params["step_hi"] = int(hi)
-    return clauses  # type: ignore[return-value]
+    return clauses
+
+
+def _label_filter(where: Mapping[str, str | None] | None, params: dict[str, Any]) -> list[str]:
+    """``label = value`` clauses (values bound; column names checked by the caller)."""
+    clauses = []
+    for i, (col, value) in enumerate((where or {}).items()):
+        if value is None:
+            clauses.append(f't."{col}" IS NULL')
+        else:
+            clauses.append(f't."{col}" = $w{i}')
+            params[f"w{i}"] = str(value)
+    return clauses
+
+
+def _merged_columns(rules: Mapping[str, str], available: set[str]) -> list[str]:
+    """``sum/max/min(col) AS col`` per value column (NULL for a column no file has yet)."""
+    return [f'{rule}(t."{col}") AS "{col}"' if col in available else f'NULL AS "{col}"'
+            for col, rule in rules.items()]
 
 
 def _columns(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str) -> set[str]:
@@ -136,17 +154,10 @@ def aggregate(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, by: S
     available = _columns(con, run_dir, table)
     _check_keys(by + list((where or {}).keys()), available, table)
     params: dict[str, Any] = {}
-    clauses = _step_filter(steps, params)
-    for i, (col, value) in enumerate((where or {}).items()):
-        if value is None:
-            clauses.append(f't."{col}" IS NULL')
-        else:
-            clauses.append(f't."{col}" = $w{i}')
-            params[f"w{i}"] = str(value)
+    clauses = _step_filter(steps, params) + _label_filter(where, params)
     where_sql = (" WHERE " + " AND ".join(clauses)) if clauses else ""
     keys = (["t.step"] if per_step else []) + [f't."{c}"' for c in by + extra]
-    aggs = [f'{rule}(t."{col}") AS "{col}"' if col in available else f'NULL AS "{col}"'
-            for col, rule in rules.items()]
+    aggs = _merged_columns(rules, available)
     select = keys + (["any_value(idx.wall_time) AS wall_time"] if per_step else []) + aggs
     group = (" GROUP BY " + ", ".join(keys)) if keys else ""
     order = (" ORDER BY " + ", ".join(keys)) if keys else ""

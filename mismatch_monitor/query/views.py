@@ -19,8 +19,8 @@ import pandas as pd
 from ..engine.fields import TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
 from ..store.schema import STEPS_TABLE
-from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _retry, _step_filter, current_files,
-                   metric_series, rows, run_config, steps_index, table_files)
+from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _label_filter, _merged_columns, _retry,
+                   _step_filter, current_files, metric_series, rows, run_config, steps_index, table_files)
 
 
 ALERT_COLUMNS: tuple[str, ...] = ("step", "wall_time", "alert", "severity", "pool", "state", "value",
@@ -83,16 +83,9 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
     available = _columns(con, run_dir, table)
     _check_keys(by + list((where or {}).keys()), available, table)
     params: dict[str, Any] = {"first": int(first), "width": int(width)}
-    clauses = ["t.step >= $first"] + _step_filter(steps, params)
-    for i, (col, value) in enumerate((where or {}).items()):
-        if value is None:
-            clauses.append(f't."{col}" IS NULL')
-        else:
-            clauses.append(f't."{col}" = $w{i}')
-            params[f"w{i}"] = str(value)
+    clauses = ["t.step >= $first"] + _step_filter(steps, params) + _label_filter(where, params)
     keys = [f'"{c}"' for c in by + extra]
-    aggs = [f'{rule}(t."{col}") AS "{col}"' if col in available else f'NULL AS "{col}"'
-            for col, rule in rules.items()]
+    aggs = _merged_columns(rules, available)
     inner = (["$first + (t.step - $first) // $width * $width AS step", "max(t.step) AS step_last"]
              + [f"t.{k}" for k in keys] + aggs)
     outer = ["agg.step", "agg.step_last", "idx.wall_time"] + [f"agg.{k}" for k in keys] + [
