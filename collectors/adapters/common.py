@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from mismatch_monitor.batch import BatchError
+from mismatch_monitor.batch import BatchError, TokenBatch
 
 Labels = Mapping[str, "str | Sequence[str]"]
 
@@ -75,6 +75,22 @@ def sequence_mean(values: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
     """[B] mean of ``values`` [B, T] over each sequence's trained tokens (0 when it has none)."""
     w = trained.to(torch.float64)
     return (values.to(torch.float64) * w).sum(1) / w.sum(1).clamp(min=1.0)
+
+
+def padded_batch(trainer: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor, *,
+                 labels: dict[str, list[str]], turns: bool, advantages: Any,
+                 policy_version: torch.Tensor | None, trainer_version: int | None,
+                 **per_token: torch.Tensor | None) -> TokenBatch:
+    """The padded TokenBatch every [B, T] adapter ends with: turns from runs of trained tokens,
+    per-token advantages averaged over each sequence's trained tokens."""
+    return TokenBatch.from_padded(
+        trainer, sampler, mask,
+        labels=labels,
+        turn_index=turn_index(mask) if turns else None,
+        policy_version=policy_version, trainer_version=trainer_version,
+        advantages=None if advantages is None else sequence_mean(tensor(advantages), mask),
+        **per_token,
+    )
 
 
 def producing_rows(experts: torch.Tensor, first_token: torch.Tensor | int, length: int) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from mismatch_monitor.batch import TokenBatch
 
-from .common import Labels, get, require, sequence_labels, sequence_mean, tensor, turn_index
+from .common import Labels, get, padded_batch, require, sequence_labels, tensor
 
 FRAMEWORK = "NeMo-RL"
 
@@ -53,11 +53,9 @@ def nemo_rl_batch(
     B = mask.shape[0]
     advantages = get(data, "advantages")
     input_ids = get(data, "input_ids")
-    return TokenBatch.from_padded(
+    return padded_batch(
         trainer, sampler, mask,
-        labels=sequence_labels(labels, B),
-        turn_index=turn_index(mask) if turns else None,
+        labels=sequence_labels(labels, B), turns=turns, advantages=advantages,
         policy_version=policy_version, trainer_version=trainer_version,
-        advantages=None if advantages is None else sequence_mean(tensor(advantages), mask),
         token_ids=None if input_ids is None else tensor(input_ids),
     )

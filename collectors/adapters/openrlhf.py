@@ -27,7 +27,7 @@ import torch
 
 from mismatch_monitor.batch import TokenBatch
 
-from .common import Labels, get, require, sequence_labels, sequence_mean, tensor, turn_index
+from .common import Labels, get, padded_batch, require, sequence_labels, tensor
 
 FRAMEWORK = "OpenRLHF"
 
@@ -54,11 +54,9 @@ def openrlhf_batch(
     B, A = mask.shape
     sequences = get(experience, "sequences")
     advantages = get(experience, "advantages")
-    return TokenBatch.from_padded(
+    return padded_batch(
         trainer, sampler, mask,
-        labels=sequence_labels(labels, B),
-        turn_index=turn_index(mask) if turns else None,
+        labels=sequence_labels(labels, B), turns=turns, advantages=advantages,
         policy_version=policy_version, trainer_version=trainer_version,
-        advantages=None if advantages is None else sequence_mean(tensor(advantages), mask),
         token_ids=None if sequences is None else tensor(sequences)[:, -A:],
     )

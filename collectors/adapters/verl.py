@@ -33,7 +33,15 @@ import torch
 
 from mismatch_monitor.batch import BatchError, TokenBatch
 
-from .common import Labels, get, producing_rows, require, sequence_labels, sequence_mean, tensor, turn_index
+from .common import (
+    Labels,
+    get,
+    padded_batch,
+    producing_rows,
+    require,
+    sequence_labels,
+    tensor,
+)
 
 FRAMEWORK = "verl"
 
@@ -78,12 +86,11 @@ def verl_batch(
         first = sampler_routed.shape[1] - R                       # P: response token 0 sits here
         experts = (producing_rows(tensor(trainer_routed_experts), first, R),
                    producing_rows(sampler_routed, first, R))
-    return TokenBatch.from_padded(
+    return padded_batch(
         tensor(trainer_logprobs), sampler, mask,
         labels=sequence_labels(labels, B, env=non_tensor.get("data_source")),
-        turn_index=turn_index(mask) if turns else None,
+        turns=turns, advantages=advantages,
         policy_version=policy_version, trainer_version=trainer_version,
-        advantages=None if advantages is None else sequence_mean(tensor(advantages), mask),
         trainer_experts=None if experts is None else experts[0],
         sampler_experts=None if experts is None else experts[1],
         token_ids=None if get(tensors, "responses") is None else tensor(get(tensors, "responses")),
