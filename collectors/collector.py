@@ -25,6 +25,8 @@ from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 import numpy as np
 import pandas as pd
 
+from .. import query
+from ..alerts import AlertEvaluator
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
@@ -73,15 +75,12 @@ def as_token_batch(batch: TokenBatch | None, fields: Mapping[str, Any]) -> Token
 def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
     """The project's alert rules; a restarted run first replays its stored history, so an alert
     that was firing stays firing (and does not ask for a second resync)."""
-    from .. import query
-    from ..alerts import AlertEvaluator
-
     con = query.connect()
-    if query.steps_index(con, run_dir).empty:
+    steps = query.steps_index(con, run_dir)["step"]   # steps without observations resolve alerts too
+    if steps.empty:
         return AlertEvaluator()
     history = query.metric_series(con, run_dir, ["pool"])
     fleet = query.metric_series(con, run_dir)
-    steps = query.steps_index(con, run_dir)["step"]   # steps without observations resolve alerts too
     evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet, steps=steps)
     return evaluator
 
