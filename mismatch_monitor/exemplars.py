@@ -16,6 +16,7 @@ import torch
 from .batch import STANDARD_DIMENSIONS, TokenBatch
 from .config import MetricConfig
 from .engine import SequenceValues
+from .engine.token_pass import token_validity
 
 TOKEN_RANK = "abs_log_ratio"
 SEQUENCE_RANK = "seq_max_abs_log_ratio"
@@ -55,9 +56,8 @@ def _log_ratio(batch: TokenBatch, config: MetricConfig, index: slice | torch.Ten
     """lr in float64 and the validity mask (the engine's policy) of the selected tokens."""
     t = batch.trainer_logprobs[index].to(torch.float64)
     s = batch.sampler_logprobs[index].to(torch.float64)
-    tol = config.positive_logprob_tol
-    lr = t - s
-    return lr, torch.isfinite(lr) & (t <= tol) & (s <= tol)
+    finite, positive = token_validity(t, s, config.positive_logprob_tol)
+    return t - s, finite & ~positive
 
 
 def _tokens_of(batch: TokenBatch, seqs: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,13 @@ def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
     )
 
 
+def token_validity(t: torch.Tensor, s: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bad-input policy per token: (finite on both sides, a finite log-prob above ``tol``).
+    A token is valid when finite and not positive; every other one is set aside and counted."""
+    finite = torch.isfinite(t) & torch.isfinite(s)
+    return finite, finite & ((t > tol) | (s > tol))
+
+
 def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Plan, start: int, stop: int,
                 ones: torch.Tensor) -> None:
     f64 = torch.float64
@@ -124,8 +131,7 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
     token_cell = cell                                                # every token, valid or not
     if not clean:
         t = t_in.to(f64)
-        finite = torch.isfinite(t) & torch.isfinite(s)
-        positive = finite & ((t > p.tol) | (s > p.tol))
+        finite, positive = token_validity(t, s, p.tol)
         valid = finite & ~positive
         acc.n_nonfinite += torch.bincount(cell[~finite], minlength=p.C + 1)
         acc.n_positive += torch.bincount(cell[positive], minlength=p.C + 1)
