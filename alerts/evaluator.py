@@ -20,6 +20,7 @@ from typing import Any, Iterable, Iterator, Literal
 import numpy as np
 import pandas as pd
 
+from mismatch_monitor.metrics import GroupMetrics
 from .conditions import Scope, Snapshot
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
@@ -91,12 +92,13 @@ class AlertEvaluator:
         self._last_step: int | None = None
 
     # ------------------------------------------------------------------ one step
-    def observe(self, step: int, wall_time: float, by_pool: pd.DataFrame, *,
-                fleet: pd.DataFrame | None = None) -> list[AlertEvent]:
+    def observe(self, step: int, wall_time: float, by_pool: pd.DataFrame | GroupMetrics, *,
+                fleet: pd.DataFrame | GroupMetrics | None = None) -> list[AlertEvent]:
         """Evaluate every rule on one step's metrics; returns the alerts that fired or resolved.
 
         ``by_pool``: ``metrics.report(stats, by=["pool"])`` (one row per pool, NaN = no
-        observation); ``fleet``: ``metrics.report(stats)``, read by fleet-scoped rules only.
+        observation) or the first of ``metrics.report_by_label(stats, "pool")``; ``fleet``:
+        ``metrics.report(stats)`` or the second, read by fleet-scoped rules only.
         """
         step = int(step)
         if self._last_step is not None and step <= self._last_step:
@@ -192,9 +194,14 @@ def _pool(label: str, scope: Scope) -> str | None:
     return None if scope == "fleet" else label
 
 
-def _snapshot(frame: pd.DataFrame | None, keys: list[str], *, pooled: bool) -> Snapshot:
+def _snapshot(frame: pd.DataFrame | GroupMetrics | None, keys: list[str], *, pooled: bool) -> Snapshot:
     if frame is None or len(frame) == 0:
         return Snapshot((), {k: np.empty(0) for k in keys})
+    if isinstance(frame, GroupMetrics):
+        pools = (tuple(UNKNOWN_POOL if p is None else p for p in frame.labels) if pooled
+                 else ("",) * len(frame))
+        nan = np.full(len(frame), np.nan)
+        return Snapshot(pools, {k: frame.values.get(k, nan) for k in keys})
     if pooled:
         pools = tuple(UNKNOWN_POOL if pd.isna(p) else str(p) for p in frame["pool"])
     else:

@@ -31,8 +31,9 @@ from ..batch import TokenBatch
 from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import tail_exemplars
-from ..metrics import derive, metric_tables, report
+from ..metrics import GroupMetrics, report_by_label
 from ..store import RunWriter
+from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS
 
 log = logging.getLogger("mismatch_monitor")
 
@@ -47,8 +48,11 @@ class Reducer(Protocol):
 
 
 class Evaluator(Protocol):
-    def observe(self, step: int, wall_time: float, by_pool: pd.DataFrame, *,
-                fleet: pd.DataFrame | None = None) -> list[Any]: ...
+    """``by_pool``/``fleet``: :class:`GroupMetrics` (``.to_frame()`` gives the frame of
+    ``metrics.report``)."""
+
+    def observe(self, step: int, wall_time: float, by_pool: GroupMetrics, *,
+                fleet: GroupMetrics | None = None) -> list[Any]: ...
 
 
 class Exporter(Protocol):
@@ -85,19 +89,19 @@ def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
     return evaluator
 
 
-def flatten_report(fleet: pd.DataFrame, by_pool: pd.DataFrame) -> dict[str, float]:
+def flatten_report(fleet: GroupMetrics, by_pool: GroupMetrics) -> dict[str, float]:
     """``mismatch/k3_kl`` for the whole step, ``mismatch/pool=fp8/k3_kl`` per pool; nulls omitted."""
     out: dict[str, float] = {}
-    metric_cols = [c for c in fleet.columns if c.startswith("mismatch/")]
+    keys = list(fleet.values)
     if len(fleet):
-        values = fleet[metric_cols].to_numpy(np.float64)[0]
-        out.update((k, float(v)) for k, v in zip(metric_cols, values) if not math.isnan(v))
+        values = np.array([fleet.values[k][0] for k in keys]).tolist()
+        out.update((k, v) for k, v in zip(keys, values) if not math.isnan(v))
     if len(by_pool):
-        table = by_pool[metric_cols].to_numpy(np.float64)               # [pools, metrics]
-        short = [k[len("mismatch/"):] for k in metric_cols]
-        for pool, row in zip(by_pool["pool"].tolist(), table):           # one row per pool
-            prefix = f"mismatch/pool={'unknown' if pd.isna(pool) else pool}/"
-            out.update((prefix + k, float(v)) for k, v in zip(short, row) if not math.isnan(v))
+        table = np.column_stack([by_pool.values[k] for k in keys]).tolist()   # [pools, metrics]
+        short = [k[len("mismatch/"):] for k in keys]
+        for pool, row in zip(by_pool.labels, table):                          # one row per pool
+            prefix = f"mismatch/pool={'unknown' if pool is None else pool}/"
+            out.update((prefix + k, v) for k, v in zip(short, row) if not math.isnan(v))
     return out
 
 
@@ -110,8 +114,8 @@ class MismatchCollector:
         run_id: str | None = None,
         pools: Mapping[str, Mapping[str, Any]] | None = None,
         strict: bool = False,
-        flush_every_steps: int = 10,
-        flush_every_seconds: float = 30.0,
+        flush_every_steps: int = FLUSH_EVERY_STEPS,
+        flush_every_seconds: float = FLUSH_EVERY_SECONDS,
         exemplars_k: int = 16,
         alert_evaluator: Evaluator | Literal["default"] | None = "default",
         exporter: Exporter | None = None,
@@ -191,15 +195,13 @@ class MismatchCollector:
                 if self.reducer is None:
                     self._append_empty(step, wall)
                     return {"mismatch/collector_errors": float(self.error_count)}
-            pool_level = metric_tables(stats).marginal(["pool"])   # merge cells once
-            by_pool = derive(pool_level["tokens"], pool_level["sequences"], pool_level["abs_hist"],
-                             by=["pool"], config=self.config)
-            fleet = report(pool_level, (), self.config)
+            by_pool, fleet = report_by_label(stats, "pool", self.config)
             if self.writer is not None:
                 events = self._evaluate_alerts(step, wall, by_pool, fleet)
                 self.writer.append_alerts([e.to_row() for e in events])
                 self.writer.append_step(step, stats, exemplars, wall_time=wall,
                                         collector_errors=self.error_count)
+                self._check_store()
                 if self.exporter is not None:
                     self.exporter.observe(step, stats)
                 self._dispatch(events)
@@ -229,8 +231,8 @@ class MismatchCollector:
             labels[dim] = tuple(None if v is None else str(v) for v in values)
         return dataclasses.replace(batch, labels=labels) if len(labels) != len(batch.labels) else batch
 
-    def _evaluate_alerts(self, step: int, wall: float, by_pool: pd.DataFrame,
-                         fleet: pd.DataFrame) -> list[Any]:
+    def _evaluate_alerts(self, step: int, wall: float, by_pool: GroupMetrics,
+                         fleet: GroupMetrics) -> list[Any]:
         if self.alert_evaluator is None:
             return []
         return list(self.alert_evaluator.observe(step, wall, by_pool, fleet=fleet))
@@ -252,6 +254,15 @@ class MismatchCollector:
             if self.strict:
                 raise
             self._note(f"{where} callback failed", exc)
+
+    def _check_store(self) -> None:
+        """Report a background flush that failed (its steps stay buffered for the next one)."""
+        error = self.writer.take_error() if self.writer is not None else None
+        if error is None:
+            return
+        if self.strict:
+            raise error
+        self._note("writing buffered steps failed (they are kept and written again by the next flush)", error)
 
     def _append_empty(self, step: int, wall: float) -> None:
         """Record a step without statistics, so the index shows the error count at that step."""

@@ -23,13 +23,19 @@ SEQUENCE_RANK = "seq_max_abs_log_ratio"
 EXEMPLAR_TABLES = {"exemplar_tokens": TOKEN_RANK, "exemplar_sequences": SEQUENCE_RANK}
 
 
+# dtype objects, not names: parsing "string" costs more than building a K-entry column
+_STRING = pd.StringDtype()
+_INT64 = pd.Int64Dtype()
+
+
 def _labels(batch: TokenBatch, seq: np.ndarray) -> dict[str, object]:
     dims = list(STANDARD_DIMENSIONS) + sorted(set(batch.labels) - set(STANDARD_DIMENSIONS))
     out: dict[str, object] = {}
+    rows = seq.tolist()
     for d in dims:
         values = batch.labels.get(d)
-        col = [values[i] for i in seq] if values is not None else [None] * len(seq)  # K entries
-        out[d] = pd.array(col, dtype="string")
+        col = [values[i] for i in rows] if values is not None else [None] * len(rows)  # K entries
+        out[d] = pd.array(col, dtype=_STRING)
     return out
 
 
@@ -110,9 +116,9 @@ def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None
         "seq_index": seq_of_tok.astype(np.int64),
         "position": batch.position[tok].cpu().numpy().astype(np.int64),
         "turn_index": pd.array(batch.turn_index[tok].cpu().numpy() if batch.turn_index is not None
-                               else [pd.NA] * len(tok), dtype="Int64"),
+                               else [pd.NA] * len(tok), dtype=_INT64),
         "token_id": pd.array(batch.token_ids[tok].cpu().numpy() if batch.token_ids is not None
-                             else [pd.NA] * len(tok), dtype="Int64"),
+                             else [pd.NA] * len(tok), dtype=_INT64),
         "trainer_logprob": t,
         "sampler_logprob": s,
         "log_ratio": t - s,

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from .config import MetricConfig
+from .engine.fields import merge_rules
 from .engine.histogram import QUANTILES, LogBins, quantiles_from_counts
 
 Unit = Literal["nats", "ratio", "tokens", "sequences", "steps", "log_ratio", ""]
@@ -186,6 +187,30 @@ def _row_of(keys: pd.DataFrame, other: pd.DataFrame, by: list[str]) -> np.ndarra
     return position[code[n:]]
 
 
+def _token_values(tok: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
+    return {m.key: np.asarray(m.fn(tok), dtype=np.float64) if n else np.zeros(0)
+            for m in METRICS if m.table == "tokens"}
+
+
+def _sequence_values(seq: Mapping[str, np.ndarray] | None, n: int) -> dict[str, np.ndarray]:
+    """``seq``: the merged sequence columns of each group (NaN where a group has no sequence
+    row); None: no sequence-level value for any group."""
+    return {m.key: np.asarray(m.fn(seq), dtype=np.float64) if seq is not None else np.full(n, np.nan)
+            for m in METRICS if m.table == "sequences"}
+
+
+QUANTILE_KEYS = tuple(f"mismatch/abs_log_ratio/{name}" for name, _ in QUANTILES)
+
+
+def _quantile_values(group: np.ndarray, bins: np.ndarray, counts: np.ndarray, exact_max: np.ndarray,
+                     config: MetricConfig) -> dict[str, np.ndarray]:
+    """Quantiles of |lr| per group from histogram rows (group code, bin, count); clamped to the
+    exact max of each group."""
+    vals = quantiles_from_counts(LogBins.from_config(config), group, bins, counts,
+                                 tuple(q for _, q in QUANTILES), exact_max=exact_max)
+    return {k: vals[:, j] for j, k in enumerate(QUANTILE_KEYS)}
+
+
 def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None = None, *,
            by: Sequence[str] = (), config: MetricConfig | None = None) -> pd.DataFrame:
     """Metric values per group of ``by`` columns from *summed* tables.
@@ -198,12 +223,8 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
     by = list(by)
     keys = tokens[by].reset_index(drop=True) if by else pd.DataFrame(index=range(len(tokens)))
     n = len(keys)
-    tok = _columns(tokens)
-    values: dict[str, np.ndarray] = {}
-    for m in METRICS:
-        if m.table == "tokens":
-            values[m.key] = np.asarray(m.fn(tok), dtype=np.float64) if n else np.zeros(0)
-    seq_metrics = [m for m in METRICS if m.table == "sequences"]
+    values = _token_values(_columns(tokens), n)
+    joined = None
     # sequences span turns: a turn-sliced row has no sequence-level value
     if sequences is not None and n and "turn_bucket" not in by:
         row = _row_of(keys, sequences, by)       # the group of each sequence row
@@ -215,26 +236,118 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
             column = np.full(n, np.nan)
             column[row[hit]] = sequences[c].to_numpy()[hit]
             joined[c] = column
-        for m in seq_metrics:
-            values[m.key] = np.asarray(m.fn(joined), dtype=np.float64)
-    else:
-        for m in seq_metrics:
-            values[m.key] = np.full(n, np.nan)
-    qkeys = [f"mismatch/abs_log_ratio/{name}" for name, _ in QUANTILES]
+    values.update(_sequence_values(joined, n))
     if abs_hist is not None and n and len(abs_hist):
         group = _row_of(keys, abs_hist, by)
         hit = group >= 0
-        vals = quantiles_from_counts(
-            LogBins.from_config(config), group[hit], abs_hist["bin"].to_numpy()[hit],
-            abs_hist["count"].to_numpy()[hit],
-            tuple(q for _, q in QUANTILES), exact_max=values["mismatch/abs_log_ratio/max"])
-        for j, k in enumerate(qkeys):
-            values[k] = vals[:, j]
+        values.update(_quantile_values(group[hit], abs_hist["bin"].to_numpy()[hit],
+                                       abs_hist["count"].to_numpy()[hit],
+                                       values["mismatch/abs_log_ratio/max"], config))
     else:
-        for k in qkeys:
-            values[k] = np.full(n, np.nan)
+        values.update({k: np.full(n, np.nan) for k in QUANTILE_KEYS})
     metrics = pd.DataFrame(values, index=keys.index)
     return pd.concat([keys, metrics], axis=1) if by else metrics
+
+
+@dataclass(frozen=True)
+class GroupMetrics:
+    """Metric values per value of one label dimension (``dim``), or of everything (``dim=None``,
+    one group): ``labels`` [G] (None: the label was not given), ``values`` {metric key: [G]}."""
+
+    dim: str | None
+    labels: tuple[str | None, ...]
+    values: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def to_frame(self) -> pd.DataFrame:
+        """The frame :func:`derive` returns for the same groups."""
+        metrics = pd.DataFrame(self.values, index=range(len(self.labels)))
+        if self.dim is None:
+            return metrics
+        keys = pd.DataFrame({self.dim: pd.array(list(self.labels), dtype="string")})
+        return pd.concat([keys, metrics], axis=1)
+
+
+def _label_codes(cols: Mapping[str, object], n: int, dim: str, index: dict[str | None, int] | None
+                 ) -> tuple[np.ndarray, list[str | None]]:
+    """Group code of each of ``n`` rows by its ``dim`` label. With ``index`` (label -> code),
+    labels outside it get -1; without, codes follow the labels found (returned: sorted, null last)."""
+    if dim not in cols:
+        found: list[str | None] = [None]
+        codes = np.zeros(n, dtype=np.int64)
+    else:
+        codes, uniques = pd.factorize(cols[dim], use_na_sentinel=False)
+        found = [None if pd.isna(u) else str(u) for u in uniques]
+    if index is None:
+        order = sorted(found, key=lambda v: (v is None, v or ""))
+        index = {v: i for i, v in enumerate(order)}
+        found_codes = np.array([index[v] for v in found], dtype=np.int64)
+        return found_codes[codes] if len(codes) else codes, order
+    found_codes = np.array([index.get(v, -1) for v in found], dtype=np.int64)
+    return (found_codes[codes] if len(codes) else codes), list(index)
+
+
+def _grouped(cols: Mapping[str, object], table: str, codes: np.ndarray, G: int) -> dict[str, np.ndarray]:
+    """Merged columns of ``table`` per group code (rows with code -1 are left out), followed by
+    one more group merging every row: [G + 1] each, merged by the column's rule."""
+    rules = merge_rules(table)
+    keep = codes >= 0
+    codes = codes[keep]
+    onehot = np.zeros((G + 1, len(codes)))
+    onehot[codes, np.arange(len(codes))] = 1.0
+    onehot[G] = 1.0
+    sums = [c for c, r in rules.items() if r == "sum"]
+    out: dict[str, np.ndarray] = {}
+    if sums:
+        matrix = np.column_stack([np.asarray(cols[c], dtype=np.float64) for c in sums])
+        summed = onehot @ matrix[keep]
+        out.update(zip(sums, summed.T))
+    for col, rule in rules.items():
+        if rule == "sum":
+            continue
+        values = np.asarray(cols[col], dtype=np.float64)[keep]
+        acc = np.full(G + 1, np.nan)
+        how = np.fmax if rule == "max" else np.fmin
+        how.at(acc, codes, values)
+        acc[G] = how.reduce(values) if len(values) else np.nan
+        out[col] = acc
+    return out
+
+
+def report_by_label(stats, dim: str = "pool", config: MetricConfig | None = None
+                    ) -> tuple[GroupMetrics, GroupMetrics]:
+    """Metrics of every value of one label dimension, and of the whole step: the same values
+    as ``report(stats, [dim])`` and ``report(stats)``, without the general group-by (the
+    collector reports every step). Sums are float64 (exact for counts below 2^53)."""
+    config = config or MetricConfig()
+    rows = {t: len(stats.tables[t]) for t in METRIC_TABLES}
+    if rows["tokens"] == 0:
+        empty = {k: np.zeros(0) for k in METRIC_BY_KEY}
+        return GroupMetrics(dim, (), empty), GroupMetrics(None, (), dict(empty))
+    tokens, sequences, hist = (stats.columns(t) for t in METRIC_TABLES)
+    codes, labels = _label_codes(tokens, rows["tokens"], dim, None)
+    index = {v: i for i, v in enumerate(labels)}
+    G = len(labels)
+    tok = _grouped(tokens, "tokens", codes, G)
+    values = _token_values(tok, G + 1)
+    seq_codes, _ = _label_codes(sequences, rows["sequences"], dim, index)
+    seq = _grouped(sequences, "sequences", seq_codes, G)
+    present = np.bincount(seq_codes[seq_codes >= 0], minlength=G + 1) > 0
+    present[G] = bool(present[:G].any())
+    for column in seq.values():
+        column[~present] = np.nan         # a group without sequence rows: no sequence value
+    values.update(_sequence_values(seq, G + 1))
+    hist_codes, _ = _label_codes(hist, rows["abs_hist"], dim, index)
+    hit = hist_codes >= 0
+    group = np.concatenate([hist_codes[hit], np.full(int(hit.sum()), G)])
+    bins = np.tile(np.asarray(hist["bin"])[hit], 2)
+    counts = np.tile(np.asarray(hist["count"])[hit], 2)
+    values.update(_quantile_values(group, bins, counts, values["mismatch/abs_log_ratio/max"], config))
+    by = GroupMetrics(dim, tuple(labels), {k: v[:G] for k, v in values.items()})
+    total = GroupMetrics(None, (None,), {k: v[G:] for k, v in values.items()})
+    return by, total
 
 
 METRIC_TABLES = ("tokens", "sequences", "abs_hist")

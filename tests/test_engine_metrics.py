@@ -11,7 +11,7 @@ import torch
 
 from mismatch_monitor import metrics
 from mismatch_monitor.config import MetricConfig
-from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.engine import MismatchStats, compute_stats, merge
 from reference import make_case, reference_metrics, sort_table
 
 CONFIG = MetricConfig()
@@ -19,8 +19,10 @@ QUANTILE_KEYS = {f"mismatch/abs_log_ratio/{q}" for q in ("p50", "p90", "p99", "p
 GROUPINGS = [[], ["pool"], ["pool", "length_bucket"], ["pool", "hardware", "turn_bucket"], ["task", "precision"]]
 
 
-def assert_report_matches(case, config: MetricConfig, by: list[str]) -> None:
-    got = sort_table(metrics.report(compute_stats(case.batch(), config), by=by, config=config), by)
+def assert_report_matches(case, config: MetricConfig, by: list[str], got=None) -> None:
+    if got is None:
+        got = metrics.report(compute_stats(case.batch(), config), by=by, config=config)
+    got = sort_table(got, by)
     want = sort_table(reference_metrics(case, config, by), by)
     assert set(want.columns) - set(by) == {m.key for m in metrics.METRICS}, "reference misses a metric"
     assert len(got) == len(want), (by, len(got), len(want))
@@ -89,3 +91,43 @@ def test_a_slice_of_only_invalid_tokens_reports_null_metrics_and_counts_them():
     # the other pools are untouched by the NaNs
     others = report.drop(index=target)
     assert others["mismatch/k3_kl"].notna().all()
+
+
+def _by_label_frames(stats, config=CONFIG):
+    by_pool, fleet = metrics.report_by_label(stats, "pool", config)
+    return by_pool.to_frame(), fleet.to_frame()
+
+
+@pytest.mark.parametrize("seed", [36, 37])
+def test_the_collectors_per_pool_report_matches_the_reference_and_the_general_report(seed):
+    """``report_by_label`` (the collector's every-step path) is the same metrics as ``report``,
+    on engine output and on merged stats (no cached arrays), with a null pool label too."""
+    case = make_case(seed, num_sequences=50, tail_fraction=0.02, bad_fraction=0.004)
+    pools = list(case.labels["pool"])
+    pools[3] = None                                # a sequence without a pool label
+    case = replace(case, labels={**case.labels, "pool": pools})
+    stats = compute_stats(case.batch(), CONFIG)
+    halves = merge([stats, MismatchStats.empty()])
+    for source in (stats, halves):
+        by_pool, fleet = _by_label_frames(source)
+        assert_report_matches(case, CONFIG, ["pool"], got=by_pool)
+        assert_report_matches(case, CONFIG, [], got=fleet)
+        want = metrics.report(source, ["pool"], CONFIG)
+        assert by_pool["pool"].astype(object).where(by_pool["pool"].notna(), None).tolist() == \
+            want["pool"].astype(object).where(want["pool"].notna(), None).tolist()
+
+
+def test_the_per_pool_report_of_a_pool_of_only_invalid_tokens_is_null():
+    case = make_case(38, num_sequences=12, bad_fraction=0.0)
+    t = case.trainer.copy()
+    pool = np.asarray(case.labels["pool"])[case.seq]
+    t[pool == pool[0]] = np.nan
+    stats = compute_stats(replace(case, trainer=t).batch())
+    by_pool, fleet = _by_label_frames(stats)
+    want = metrics.report(stats, ["pool"])
+    np.testing.assert_allclose(by_pool.drop(columns="pool").to_numpy(np.float64),
+                               want.drop(columns="pool").to_numpy(np.float64), rtol=1e-12, equal_nan=True)
+    row = by_pool.set_index("pool").loc[pool[0]]
+    assert np.isnan(row["mismatch/seq/n_sequences"]) and np.isnan(row["mismatch/k3_kl"])
+    empty_pool, empty_fleet = metrics.report_by_label(MismatchStats.empty(), "pool")
+    assert len(empty_pool) == 0 and len(empty_fleet) == 0

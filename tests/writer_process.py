@@ -22,6 +22,7 @@ def main() -> None:
     mc = MismatchCollector(run_dir, flush_every_steps=1, strict=True)
     for step in range(first, first + count):
         mc.log_step(step, make_batch(step, scale=scale, sequences=12, max_len=24))
+        mc.flush()                      # automatic flushes run in the background: wait for durability
         print(f"flushed {step}", flush=True)
     mc.close()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 import torch
 
 from ..batch import TokenBatch
@@ -19,7 +20,7 @@ from .histogram import LogBins
 from .routing import routing_counts
 from .slicing import Cells, assign_cells, bucket_table, dimension_names
 from .stats import MismatchStats, empty_table, merge
-from .tables import JointBins, lowprob_table, np_, sequence_tables, sparse, token_table
+from .tables import JointBins, lowprob_table, np_, sequence_tables, sparse, sparse_columns, token_table
 from .regions import Regions
 from .token_pass import token_pass
 
@@ -63,20 +64,23 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     routing, per_layer = _routing(batch, cells, config)
     NB = LogBins.from_config(config).num_bins
     hist = np_(acc.abs_hist[: C * NB])
+    arrays = {"tokens": token_table(acc, joint, keys, config, dims, routing),
+              "abs_hist": sparse_columns("abs_hist", dims, keys, NB, "bin", {"count": hist}, hist)}
     tables = {
-        "tokens": token_table(acc, joint, keys, config, dims, routing),
-        "abs_hist": sparse("abs_hist", dims, keys, NB, "bin", {"count": hist}, hist),
+        "tokens": pd.DataFrame(arrays["tokens"], copy=False),
+        "abs_hist": pd.DataFrame(arrays["abs_hist"], copy=False),
         "lowprob": lowprob_table(joint, keys, dims),
         "routing_layers": empty_table("routing_layers", dims) if per_layer is None else
         sparse("routing_layers", dims, keys, per_layer.shape[1], "layer", {"n_flips": per_layer.ravel()},
                per_layer.ravel()),
     }
-    seq, seq_hist, staleness = sequence_tables(acc, batch, cells, config, dims)
-    tables.update(sequences=seq, seq_hist=seq_hist, staleness=staleness)
+    arrays["sequences"], seq_hist, staleness = sequence_tables(acc, batch, cells, config, dims)
+    tables.update(sequences=pd.DataFrame(arrays["sequences"], copy=False), seq_hist=seq_hist,
+                  staleness=staleness)
     B = batch.num_sequences
     values = SequenceValues(max_abs_lr=acc.seq_max_abs[:B], sum_lr=acc.seq_sum_lr[:B],
                             n_valid=cells.seq_length - acc.seq_invalid[:B])
-    return MismatchStats(tables, tuple(dims)), values
+    return MismatchStats(tables, tuple(dims), arrays), values
 
 
 def _routing(batch: TokenBatch, cells: Cells, config: MetricConfig

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -33,9 +33,20 @@ class MismatchStats:
 
     tables: dict[str, pd.DataFrame]
     dims: tuple[str, ...] = field(default=STANDARD_DIMENSIONS)
+    # the arrays the engine built some tables from (the same values as the frames): reading
+    # columns here skips pandas' per-column overhead, which the collector pays every step
+    arrays: dict[str, dict[str, object]] = field(default_factory=dict, compare=False, repr=False)
 
     def __getitem__(self, table: str) -> pd.DataFrame:
         return self.tables[table]
+
+    def columns(self, table: str) -> Mapping[str, object]:
+        """Column name -> array of one table (numpy, or a pandas extension array for labels)."""
+        cached = self.arrays.get(table)
+        if cached is not None:
+            return cached
+        return {c: s.array if isinstance(s.dtype, pd.api.extensions.ExtensionDtype) else s.to_numpy()
+                for c, s in self.tables[table].items()}
 
     @property
     def is_empty(self) -> bool:

@@ -28,9 +28,9 @@ def np_(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def frame(table: str, dims: list[str], columns: Columns) -> pd.DataFrame:
-    """A table with exactly the columns and dtypes of ``table_schema``."""
-    data = {}
+def typed_columns(table: str, dims: list[str], columns: Columns) -> dict[str, object]:
+    """Exactly the columns of ``table_schema``, in order, each as an array of its dtype."""
+    data: dict[str, object] = {}
     for name, dtype in table_schema(table, dims).items():
         value = columns[name]
         if isinstance(value, pd.api.extensions.ExtensionArray):
@@ -39,18 +39,28 @@ def frame(table: str, dims: list[str], columns: Columns) -> pd.DataFrame:
             data[name] = pd.array(value, dtype=dtype)
         else:
             data[name] = np.asarray(value).astype(dtype, copy=False)
-    return pd.DataFrame(data, copy=False)
+    return data
 
 
-def sparse(table: str, dims: list[str], keys: Columns, width: int, key: str,
-           values: Mapping[str, np.ndarray], nonzero: np.ndarray) -> pd.DataFrame:
+def frame(table: str, dims: list[str], columns: Columns) -> pd.DataFrame:
+    """A table with exactly the columns and dtypes of ``table_schema``."""
+    return pd.DataFrame(typed_columns(table, dims, columns), copy=False)
+
+
+def sparse_columns(table: str, dims: list[str], keys: Columns, width: int, key: str,
+                   values: Mapping[str, np.ndarray], nonzero: np.ndarray) -> dict[str, object]:
     """Rows (cell, index) where ``nonzero`` [C * width] is non-zero; values are [C * width]."""
     idx = np.flatnonzero(nonzero)
     cell = idx // width
     columns: dict[str, object] = {c: v.take(cell) for c, v in keys.items()}
     columns[key] = idx % width
     columns.update({name: v[idx] for name, v in values.items()})
-    return frame(table, dims, columns)
+    return typed_columns(table, dims, columns)
+
+
+def sparse(table: str, dims: list[str], keys: Columns, width: int, key: str,
+           values: Mapping[str, np.ndarray], nonzero: np.ndarray) -> pd.DataFrame:
+    return pd.DataFrame(sparse_columns(table, dims, keys, width, key, values, nonzero), copy=False)
 
 
 class JointBins:
@@ -74,7 +84,7 @@ class JointBins:
 
 
 def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config: MetricConfig,
-                dims: list[str], routing: Mapping[str, np.ndarray] | None) -> pd.DataFrame:
+                dims: list[str], routing: Mapping[str, np.ndarray] | None) -> dict[str, object]:
     regions = Regions.from_config(config)
     C = joint.n.shape[0]
     reg = joint.n.sum(1)                                      # [C, R]
@@ -123,7 +133,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
     idx = np.flatnonzero(keep)
     rows = {k: (v.take(idx) if isinstance(v, pd.api.extensions.ExtensionArray) else np.asarray(v)[idx])
             for k, v in data.items()}
-    return frame("tokens", dims, rows)
+    return typed_columns("tokens", dims, rows)
 
 
 def lowprob_table(joint: JointBins, keys: Columns, dims: list[str]) -> pd.DataFrame:
@@ -135,8 +145,9 @@ def lowprob_table(joint: JointBins, keys: Columns, dims: list[str]) -> pd.DataFr
 
 
 def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, config: MetricConfig,
-                    dims: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(sequences, seq_hist, staleness): per sequence-cell statistics of per-sequence values."""
+                    dims: list[str]) -> tuple[dict[str, object], pd.DataFrame, pd.DataFrame]:
+    """(sequences as typed columns, seq_hist, staleness): per sequence-cell statistics of
+    per-sequence values."""
     B, S = batch.num_sequences, cells.num_seq_cells
     n = np_(cells.seq_length) - np_(acc.seq_invalid[:B])      # valid tokens per sequence
     ok = n > 0
@@ -193,7 +204,7 @@ def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, con
         data["n_stale_known"] = data["sum_staleness"] = zeros
         data["max_staleness"] = np.full(S, np.nan)
     seq_idx = np.flatnonzero(data["n_sequences"] > 0)
-    seq_df = frame("sequences", dims, {k: (v.take(seq_idx) if isinstance(v, pd.api.extensions.ExtensionArray)
+    seq_cols = typed_columns("sequences", dims, {k: (v.take(seq_idx) if isinstance(v, pd.api.extensions.ExtensionArray)
                                            else np.asarray(v)[seq_idx]) for k, v in data.items()})
 
     bins = LogBins.from_config(config)
@@ -206,4 +217,4 @@ def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, con
                       {"count": counts}, counts[: S * width])
         part["bin"] -= bins.num_bins - 1
         frames.append(part)
-    return seq_df, pd.concat(frames, ignore_index=True), stale_rows
+    return seq_cols, pd.concat(frames, ignore_index=True), stale_rows

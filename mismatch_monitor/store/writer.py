@@ -5,6 +5,12 @@ seconds (checked when a step arrives) and on close. A flush writes one file per 
 then the ``steps`` index file: a step is visible to readers only once the index lists it, so a
 crash mid-flush leaves orphan data files that readers ignore, and never a half-visible step.
 Reopening a run directory appends; a step logged again later wins (higher ``write_id``).
+
+The flushes that fall due while steps arrive run on one background thread (``background=True``,
+the default), so training does not wait for Parquet encoding and fsync; one flush is in flight
+at a time, in order. A flush that fails keeps its steps, which the next flush writes again; its
+error is kept for :meth:`take_error`. ``flush()`` and ``close()`` write everything before they
+return and raise what fails.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -24,6 +32,12 @@ from ..engine.stats import MismatchStats
 from .atomic import write_json_atomic, write_parquet_atomic
 from .runinfo import RUN_FILE, read_run_info
 from .schema import DATA_TABLES, SCHEMA_VERSION, STEPS_TABLE, file_name, to_arrow
+
+
+# a crash loses at most this much unflushed data; 100 steps amortise the per-file cost of a
+# flush (one file per table, fsynced) when steps are fast, 10 s bounds the loss when they are slow
+FLUSH_EVERY_STEPS = 100
+FLUSH_EVERY_SECONDS = 10.0
 
 
 class IdSource:
@@ -40,6 +54,22 @@ class IdSource:
             return self._last
 
 
+Buffer = dict[str, list[tuple["int | None", pd.DataFrame]]]
+
+
+@dataclass
+class _Pending:
+    """Steps taken out of the buffer for one flush: per table (step or None, frame), the index rows."""
+
+    buffer: Buffer = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def extend(self, later: "_Pending") -> None:
+        for table, frames in later.buffer.items():
+            self.buffer[table].extend(frames)
+        self.steps.extend(later.steps)
+
+
 class RunWriter:
     def __init__(
         self,
@@ -48,11 +78,12 @@ class RunWriter:
         config: MetricConfig | None = None,
         run_id: str | None = None,
         pools: Mapping[str, Mapping[str, Any]] | None = None,
-        flush_every_steps: int = 10,
-        flush_every_seconds: float = 30.0,
+        flush_every_steps: int = FLUSH_EVERY_STEPS,
+        flush_every_seconds: float = FLUSH_EVERY_SECONDS,
         clock: Callable[[], float] = time.time,
         ids: IdSource | None = None,
         metadata: Mapping[str, Any] | None = None,
+        background: bool = True,
     ) -> None:
         if flush_every_steps < 1:
             raise ValueError(f"expected flush_every_steps >= 1, got {flush_every_steps}")
@@ -65,8 +96,11 @@ class RunWriter:
         self._flush_every_steps = flush_every_steps
         self._flush_every_seconds = flush_every_seconds
         # per table: (step or None, frame); the step column is added once, at flush
-        self._buffer: dict[str, list[tuple[int | None, pd.DataFrame]]] = {t: [] for t in DATA_TABLES}
-        self._steps: list[dict[str, Any]] = []
+        self._pending = _Pending()
+        self._background = background
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: tuple[Future[int], _Pending] | None = None
+        self._error: BaseException | None = None
         self._last_flush = clock()
         self._lock = threading.RLock()
         self._closed = False
@@ -121,16 +155,17 @@ class RunWriter:
         step = int(step)
         wall = self._clock() if wall_time is None else float(wall_time)
         with self._lock:
+            buffer = self._pending.buffer
             if stats is not None:
                 for table, df in stats.tables.items():
                     if len(df):
-                        self._buffer[table].append((step, df))
+                        buffer[table].append((step, df))
             for table, df in (exemplars or {}).items():
                 if len(df):
-                    self._buffer[table].append((step, df))
+                    buffer[table].append((step, df))
             tokens = stats.tables["tokens"] if stats is not None else None
             seqs = stats.tables["sequences"] if stats is not None else None
-            self._steps.append({
+            self._pending.steps.append({
                 "step": step,
                 "wall_time": wall,
                 "n_tokens": int(tokens["n_tokens"].sum()) if tokens is not None else 0,
@@ -139,43 +174,101 @@ class RunWriter:
                 "collector_errors": int(collector_errors),
             })
             if self._due():
-                self.flush()
+                self._flush_due()
 
     def append_alerts(self, rows: list[Mapping[str, Any]]) -> None:
         if rows:
             with self._lock:
-                self._buffer["alerts"].append((None, pd.DataFrame([dict(r) for r in rows])))
+                self._pending.buffer["alerts"].append((None, pd.DataFrame([dict(r) for r in rows])))
 
     def _due(self) -> bool:
-        return (len(self._steps) >= self._flush_every_steps
+        return (len(self._pending.steps) >= self._flush_every_steps
                 or self._clock() - self._last_flush >= self._flush_every_seconds)
 
     @property
     def pending_steps(self) -> int:
-        return len(self._steps)
+        """Steps logged but not yet visible to readers (buffered or being written)."""
+        with self._lock:
+            inflight = len(self._inflight[1].steps) if self._inflight is not None else 0
+            return len(self._pending.steps) + inflight
+
+    def take_error(self) -> BaseException | None:
+        """The error of the last failed background flush (its steps are written again by the
+        next flush), once; None when there was none."""
+        with self._lock:
+            error, self._error = self._error, None
+            return error
 
     # ------------------------------------------------------------------ flushing
     def flush(self) -> int:
-        """Write buffered steps; returns how many steps became visible."""
+        """Write every buffered step before returning (and raise what fails); returns how many
+        steps became visible, including those of a background flush that was in flight."""
         with self._lock:
             self._last_flush = self._clock()
-            if not self._steps:
-                return 0
-            write_id = self._ids.next()
-            for table in DATA_TABLES:
-                frames = self._buffer[table]
-                if not frames:
-                    continue
-                df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
-                if frames[0][0] is not None:  # rows of steps (alert rows carry their own step)
-                    df = df.assign(step=np.repeat([s for s, _ in frames], [len(f) for _, f in frames]))
-                self._write(table, df, write_id)
-                self._buffer[table] = []
-            steps = pd.DataFrame(self._steps)
-            self._write(STEPS_TABLE, steps, write_id)   # last: makes the steps visible
-            n = len(self._steps)
-            self._steps = []
-            return n
+            done = self._collect()
+            pending = self._take()
+            if pending is None:
+                return done
+            try:
+                return done + self._write_pending(pending)
+            except BaseException:
+                self._restore(pending)
+                raise
+
+    def _flush_due(self) -> None:
+        self._last_flush = self._clock()
+        if not self._background:
+            self.flush()
+            return
+        self._collect()                                  # one flush in flight at a time, in order
+        pending = self._take()
+        if pending is None:
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mismatch-monitor-flush")
+        try:
+            self._inflight = (self._executor.submit(self._write_pending, pending), pending)
+        except RuntimeError:                             # interpreter shutting down: write here
+            self._restore(pending)
+            self.flush()
+
+    def _collect(self) -> int:
+        """Wait for the background flush in flight; a failed one gives its steps back."""
+        if self._inflight is None:
+            return 0
+        future, pending = self._inflight
+        self._inflight = None
+        try:
+            return future.result()
+        except BaseException as exc:
+            self._restore(pending)
+            self._error = exc
+            return 0
+
+    def _take(self) -> _Pending | None:
+        if not self._pending.steps:
+            return None
+        pending, self._pending = self._pending, _Pending()
+        return pending
+
+    def _restore(self, older: _Pending) -> None:
+        """Put steps of a failed flush back in front of what arrived since."""
+        older.extend(self._pending)
+        self._pending = older
+
+    def _write_pending(self, pending: _Pending) -> int:
+        """One flush: a file per data table, then the index (which makes the steps visible)."""
+        write_id = self._ids.next()
+        for table in DATA_TABLES:
+            frames = pending.buffer[table]
+            if not frames:
+                continue
+            df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
+            if frames[0][0] is not None:  # rows of steps (alert rows carry their own step)
+                df = df.assign(step=np.repeat([s for s, _ in frames], [len(f) for _, f in frames]))
+            self._write(table, df, write_id)
+        self._write(STEPS_TABLE, pd.DataFrame(pending.steps), write_id)   # last: makes the steps visible
+        return len(pending.steps)
 
     def _write(self, table: str, df: pd.DataFrame, write_id: int) -> None:
         df = df.assign(write_id=write_id, file_id=write_id)
@@ -185,7 +278,12 @@ class RunWriter:
         with self._lock:
             if self._closed:
                 return
-            self.flush()
+            try:
+                self.flush()
+            finally:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                    self._executor = None
             self.info["closed_at"] = self._clock()
             write_json_atomic(self.info, self.run_dir / RUN_FILE)
             self._closed = True

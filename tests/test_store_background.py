@@ -1,0 +1,87 @@
+"""Flushes that fall due while steps arrive run on a background thread; none may lose a step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from mismatch_monitor import query
+from mismatch_monitor.collectors import MismatchCollector
+from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.store import RunWriter
+from mismatch_monitor.store import writer as writer_module
+
+from synthetic import make_batch
+
+
+def _recording_writes(monkeypatch, fail_background: int = 0) -> list[tuple[str, str]]:
+    """Record (thread name, file name) of every Parquet write; the first ``fail_background``
+    writes made off the main thread raise instead (a full disk, say)."""
+    real = writer_module.write_parquet_atomic
+    calls: list[tuple[str, str]] = []
+    failures = [fail_background]
+
+    def write(table, path):
+        name = threading.current_thread().name
+        calls.append((name, path.parent.name))
+        if name != "MainThread" and failures[0] > 0:
+            failures[0] -= 1
+            raise OSError("No space left on device")
+        real(table, path)
+
+    monkeypatch.setattr(writer_module, "write_parquet_atomic", write)
+    return calls
+
+
+def test_due_flushes_run_off_the_training_thread_and_close_writes_the_rest(tmp_path, monkeypatch):
+    calls = _recording_writes(monkeypatch)
+    stats = compute_stats(make_batch(0))
+    writer = RunWriter(tmp_path / "run", flush_every_steps=3, flush_every_seconds=1e9)
+    for step in range(7):
+        writer.append_step(step, stats, wall_time=float(step))
+    assert writer.pending_steps >= 1                  # step 6 at least waits for close()
+    writer.close()
+    assert writer.pending_steps == 0
+    background = [c for c in calls if c[0] != "MainThread"]
+    foreground = [c for c in calls if c[0] == "MainThread"]
+    # two due flushes (steps 0-2, 3-5) in the background, each ending with its index file
+    assert [table for _, table in background].count("steps") == 2
+    assert background[-1][1] == "steps"
+    assert foreground[-1][1] == "steps"               # close() wrote step 6 itself
+    con = query.connect()
+    index = query.steps_index(con, tmp_path / "run")
+    assert index["step"].tolist() == list(range(7))
+    assert (index["n_tokens"] == int(stats["tokens"]["n_tokens"].sum())).all()
+
+
+def test_a_failed_background_flush_keeps_its_steps_and_is_reported_once(tmp_path, monkeypatch, caplog):
+    _recording_writes(monkeypatch, fail_background=1)
+    run = tmp_path / "run"
+    with MismatchCollector(run, flush_every_steps=2, flush_every_seconds=1e9) as mc:
+        reports = [mc.log_step(step, make_batch(step)) for step in range(7)]   # never raises
+        assert mc.error_count == 1
+        assert "No space left on device" in mc.last_error
+        assert "written again" in mc.last_error
+    assert sum("No space left on device" in r.getMessage() for r in caplog.records) == 1
+    assert reports[-1]["mismatch/collector_errors"] == 1.0
+    con = query.connect()
+    index = query.steps_index(con, run)
+    assert index["step"].tolist() == list(range(7))   # the failed flush's steps were written again
+    for step in range(7):
+        want = int(compute_stats(make_batch(step))["tokens"]["n_tokens"].sum())
+        assert int(index.loc[index["step"] == step, "n_tokens"].iloc[0]) == want
+    series = query.metric_series(con, run, metrics=["mismatch/n_tokens"])   # from the tokens files
+    assert series["step"].tolist() == list(range(7))
+    assert series["mismatch/n_tokens"].tolist() == index["n_tokens"].astype(float).tolist()
+    assert sorted(query.rows(con, run, "exemplar_tokens")["step"].unique().tolist()) == list(range(7))
+
+
+def test_strict_mode_raises_the_background_error(tmp_path, monkeypatch):
+    _recording_writes(monkeypatch, fail_background=1)
+    mc = MismatchCollector(tmp_path / "run", flush_every_steps=1, flush_every_seconds=1e9, strict=True)
+    mc.log_step(0, make_batch(0))                     # its flush fails in the background
+    with pytest.raises(OSError, match="No space left"):
+        mc.log_step(1, make_batch(1))                 # the next flush collects the failure
+    mc.close()                                        # the kept steps are written now
+    assert query.steps_index(query.connect(), tmp_path / "run")["step"].tolist() == [0, 1]
