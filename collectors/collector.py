@@ -30,7 +30,7 @@ from ..alerts import AlertEvaluator
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
-from ..exemplars import tail_exemplars
+from ..exemplars import select_exemplars
 from ..metrics import GroupMetrics, report_by_label
 from ..store import RunWriter
 from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS
@@ -177,8 +177,9 @@ class MismatchCollector:
         try:
             batch = self._as_batch(batch, fields)
             stats, per_sequence = compute_stats_with_sequences(batch, self.config, workers=self.workers)
-            exemplars = (tail_exemplars(batch, self.exemplars_k, self.config, per_sequence)
-                         if self.exemplars_k else {})
+            selected = select_exemplars(batch, self.exemplars_k, self.config, per_sequence)
+            # the writer builds the exemplar tables when it flushes; a reducer gathers tables now
+            exemplars = selected.frames() if self.reducer is not None else selected.frames
         except Exception as exc:  # never take training down unless asked to
             if self.strict and self.reducer is None:
                 raise

@@ -7,6 +7,7 @@ of several ranks or batches keeps the global top K (:func:`merge_exemplars`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
@@ -28,15 +29,40 @@ _STRING = pd.StringDtype()
 _INT64 = pd.Int64Dtype()
 
 
-def _labels(batch: TokenBatch, seq: np.ndarray) -> dict[str, object]:
+def _labels(batch: TokenBatch, seq: np.ndarray) -> dict[str, list[str | None]]:
+    """Every label dimension's value for the K sequences ``seq`` (plain lists: cheap to take)."""
     dims = list(STANDARD_DIMENSIONS) + sorted(set(batch.labels) - set(STANDARD_DIMENSIONS))
-    out: dict[str, object] = {}
     rows = seq.tolist()
+    out: dict[str, list[str | None]] = {}
     for d in dims:
         values = batch.labels.get(d)
-        col = [values[i] for i in rows] if values is not None else [None] * len(rows)  # K entries
-        out[d] = pd.array(col, dtype=_STRING)
+        out[d] = [values[i] for i in rows] if values is not None else [None] * len(rows)
     return out
+
+
+@dataclass(frozen=True)
+class Exemplars:
+    """The exemplars of one batch as plain columns (small arrays and label lists; no reference
+    to the batch). :meth:`frames` builds the tables, which the run writer does when it flushes."""
+
+    columns: dict[str, dict[str, object]]     # table -> column -> values
+
+    def frames(self) -> dict[str, pd.DataFrame]:
+        out = {}
+        for table, cols in self.columns.items():
+            data: dict[str, object] = {}
+            for name, values in cols.items():
+                if isinstance(values, list):
+                    data[name] = pd.array(values, dtype=_STRING)
+                elif name in _NULLABLE_INT:
+                    data[name] = pd.array(values, dtype=_INT64)
+                else:
+                    data[name] = values
+            out[table] = pd.DataFrame(data) if data else empty_exemplars(table)
+        return out
+
+
+_NULLABLE_INT = ("turn_index", "token_id")
 
 
 def sequence_values(batch: TokenBatch, config: MetricConfig) -> SequenceValues:
@@ -86,6 +112,13 @@ def _lengths(batch: TokenBatch) -> torch.Tensor:
 
 def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None,
                    sequences: SequenceValues | None = None) -> dict[str, pd.DataFrame]:
+    """The ``k`` largest-|lr| tokens and the ``k`` sequences with the largest max |lr|, as
+    tables (see :func:`select_exemplars`)."""
+    return select_exemplars(batch, k, config, sequences).frames()
+
+
+def select_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None,
+                     sequences: SequenceValues | None = None) -> Exemplars:
     """The ``k`` largest-|lr| tokens and the ``k`` sequences with the largest max |lr|.
 
     ``sequences``: the engine's per-sequence values (``compute_stats_with_sequences``); without
@@ -94,14 +127,15 @@ def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None
     whose maximum exceeds its own), so only those sequences' tokens are read again.
     """
     config = config or MetricConfig()
+    none = Exemplars({name: {} for name in EXEMPLAR_TABLES})
     if k <= 0 or batch.num_tokens == 0:
-        return {name: empty_exemplars(name) for name in EXEMPLAR_TABLES}
+        return none
     seqs = sequences if sequences is not None else sequence_values(batch, config)
     has = seqs.n_valid > 0
     score = torch.where(has, seqs.max_abs_lr.to(torch.float64), -1.0)
     ks = min(k, int(has.sum()))
     if ks == 0:
-        return {name: empty_exemplars(name) for name in EXEMPLAR_TABLES}
+        return none
     top_seq = torch.topk(score, ks).indices                            # [ks]
 
     cand = _tokens_of(batch, top_seq)                                   # tokens of those sequences
@@ -111,25 +145,25 @@ def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None
     seq_of_tok = batch.seq_index[tok].cpu().numpy()
     t = batch.trainer_logprobs[tok].to(torch.float64).cpu().numpy()
     s = batch.sampler_logprobs[tok].to(torch.float64).cpu().numpy()
-    tokens = pd.DataFrame({
+    tokens = {
         **_labels(batch, seq_of_tok),
         "seq_index": seq_of_tok.astype(np.int64),
         "position": batch.position[tok].cpu().numpy().astype(np.int64),
-        "turn_index": pd.array(batch.turn_index[tok].cpu().numpy() if batch.turn_index is not None
-                               else [pd.NA] * len(tok), dtype=_INT64),
-        "token_id": pd.array(batch.token_ids[tok].cpu().numpy() if batch.token_ids is not None
-                             else [pd.NA] * len(tok), dtype=_INT64),
+        "turn_index": (batch.turn_index[tok].cpu().numpy() if batch.turn_index is not None
+                       else np.array([pd.NA] * len(tok), dtype=object)),
+        "token_id": (batch.token_ids[tok].cpu().numpy() if batch.token_ids is not None
+                     else np.array([pd.NA] * len(tok), dtype=object)),
         "trainer_logprob": t,
         "sampler_logprob": s,
         "log_ratio": t - s,
         TOKEN_RANK: np.abs(t - s),
-    })
+    }
 
     sid = top_seq.cpu().numpy().astype(np.int64)
     n = seqs.n_valid[top_seq].cpu().numpy()
     total = seqs.sum_lr[top_seq].to(torch.float64).cpu().numpy()
     lengths = _lengths(batch)[top_seq].cpu().numpy()
-    sequences_df = pd.DataFrame({
+    sequences_cols = {
         **_labels(batch, sid),
         "seq_index": sid,
         "length": lengths.astype(np.int64),
@@ -139,8 +173,8 @@ def tail_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = None
         SEQUENCE_RANK: seqs.max_abs_lr[top_seq].to(torch.float64).cpu().numpy(),
         "advantage": batch.advantages[top_seq].to(torch.float64).cpu().numpy() if batch.advantages is not None
         else np.full(len(sid), np.nan),
-    })
-    return {"exemplar_tokens": tokens, "exemplar_sequences": sequences_df}
+    }
+    return Exemplars({"exemplar_tokens": tokens, "exemplar_sequences": sequences_cols})
 
 
 def empty_exemplars(table: str) -> pd.DataFrame:

@@ -63,11 +63,24 @@ class _Pending:
 
     buffer: Buffer = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
     steps: list[dict[str, Any]] = field(default_factory=list)
+    # (step, a function returning tables): built when written, off the training thread
+    deferred: list[tuple[int, Callable[[], Mapping[str, pd.DataFrame]]]] = field(default_factory=list)
 
     def extend(self, later: "_Pending") -> None:
         for table, frames in later.buffer.items():
             self.buffer[table].extend(frames)
         self.steps.extend(later.steps)
+        self.deferred.extend(later.deferred)
+
+    def tables(self) -> Buffer:
+        """Every buffered table, deferred ones built (the buffer itself stays as it was, so a
+        failed flush can give it back)."""
+        tables = {t: list(frames) for t, frames in self.buffer.items()}
+        for step, make in self.deferred:
+            for table, df in make().items():
+                if len(df):
+                    tables[table].append((step, df))
+        return tables
 
 
 class RunWriter:
@@ -147,9 +160,10 @@ class RunWriter:
 
     # ------------------------------------------------------------------ appending
     def append_step(self, step: int, stats: MismatchStats | None,
-                    exemplars: Mapping[str, pd.DataFrame] | None = None,
+                    exemplars: Mapping[str, pd.DataFrame] | Callable[[], Mapping[str, pd.DataFrame]] | None = None,
                     *, wall_time: float | None = None, collector_errors: int = 0) -> None:
-        """Buffer one step's statistics (``stats=None`` records a step with no observation)."""
+        """Buffer one step's statistics (``stats=None`` records a step with no observation).
+        ``exemplars``: their tables, or a function that builds them when the step is written."""
         if self._closed:
             raise RuntimeError(f"run writer for {self.run_dir} is closed")
         step = int(step)
@@ -160,9 +174,12 @@ class RunWriter:
                 for table, df in stats.tables.items():
                     if len(df):
                         buffer[table].append((step, df))
-            for table, df in (exemplars or {}).items():
-                if len(df):
-                    buffer[table].append((step, df))
+            if callable(exemplars):
+                self._pending.deferred.append((step, exemplars))
+            else:
+                for table, df in (exemplars or {}).items():
+                    if len(df):
+                        buffer[table].append((step, df))
             tokens = stats.tables["tokens"] if stats is not None else None
             seqs = stats.tables["sequences"] if stats is not None else None
             self._pending.steps.append({
@@ -259,8 +276,9 @@ class RunWriter:
     def _write_pending(self, pending: _Pending) -> int:
         """One flush: a file per data table, then the index (which makes the steps visible)."""
         write_id = self._ids.next()
+        tables = pending.tables()
         for table in DATA_TABLES:
-            frames = pending.buffer[table]
+            frames = tables[table]
             if not frames:
                 continue
             df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
