@@ -5,7 +5,7 @@
 The same tiny Llama (built from a config), tokenizer, data and seed are trained three ways:
 ``GRPOTrainer`` (plain); ``MismatchGRPOTrainer`` logging into a sink that only counts tokens
 (capture: the logits processor, the trainer-side capture and micro-batch concatenation); and
-``MismatchGRPOTrainer`` with a real collector (default flushing: every 10 steps or 30 s). A step
+``MismatchGRPOTrainer`` with a real collector (default flushing: every 100 steps or 10 s). A step
 is timed from one ``on_step_end`` to the next, so it includes generation, scoring, the update
 and our end-of-step logging; the first two steps are warm-up. Printed: median step times and
 their ratios to plain, measured in the same run.
