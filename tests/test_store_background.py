@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +89,26 @@ def test_strict_mode_raises_the_background_error(tmp_path, monkeypatch):
         mc.log_step(1, make_batch(1))                 # the next flush collects the failure
     mc.close()                                        # the kept steps are written now
     assert query.steps_index(query.connect(), tmp_path / "run")["step"].tolist() == [0, 1]
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, torch
+from mismatch_monitor.collectors import MismatchCollector
+from synthetic import make_batch
+torch.set_num_threads(1)
+mc = MismatchCollector(sys.argv[1], flush_every_steps=int(sys.argv[3]))
+for step in range(int(sys.argv[2])):
+    mc.log_step(step, make_batch(step, sequences=6, max_len=12))
+# no close(): the process ends with steps buffered and, maybe, a flush in flight
+"""
+
+
+@pytest.mark.parametrize("steps,every", [(5, 100), (23, 4)])
+def test_a_process_that_exits_without_close_writes_every_step(tmp_path, steps, every):
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(here) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path / "run"), str(steps), str(every)],
+                   check=True, env=env, timeout=300)
+    index = query.steps_index(query.connect(), tmp_path / "run")
+    assert index["step"].tolist() == list(range(steps))
+    assert (index["n_tokens"] > 0).all()
