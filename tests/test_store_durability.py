@@ -24,10 +24,10 @@ from synthetic import make_batch
 HERE = Path(__file__).parent
 
 
-def _writer(run: Path, first: int, count: int | None = None, scale: float = 1e-2) -> subprocess.Popen:
+def _writer(run: Path, first: int, count: int | None = None, scale: float = 1e-2,
+            mode: str = "flush") -> subprocess.Popen:
     args = [sys.executable, str(HERE / "writer_process.py"), str(run), str(first)]
-    if count is not None:
-        args += [str(count), str(scale)]
+    args += [str(count if count is not None else 10**9), str(scale), mode]
     env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -76,6 +76,31 @@ def test_sigkill_loses_no_flushed_step_and_restart_appends(tmp_path):
     assert len(info["restarts"]) == 1 and info["closed_at"] is not None
 
 
+def test_sigkill_during_background_flushes_leaves_only_whole_steps(tmp_path):
+    run = tmp_path / "crashy-bg"
+    proc = _writer(run, 0, mode="background")
+    try:
+        logged = _wait_flushed(proc, 12)                # a flush is due at every step
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    con = query.connect()
+    steps = query.steps_index(con, run)
+    assert len(steps) >= 1
+    assert steps["step"].tolist() == list(range(len(steps)))   # a prefix, in order: no gap
+    assert int(steps["step"].max()) <= max(logged) + 1
+    series = query.metric_series(con, run, ["pool"], metrics=["mismatch/n_tokens"])
+    assert set(series["step"]) == set(steps["step"])
+    assert series.groupby("step").size().eq(3).all()         # every visible step is whole
+    totals = series.groupby("step")["mismatch/n_tokens"].sum()
+    for step, n in totals.items():
+        assert n == int(compute_stats(make_batch(step, sequences=12, max_len=24))["tokens"]["n_tokens"].sum())
+    last = int(steps["step"].max())
+    done = _writer(run, last + 1, 3)                    # a restart appends after the last whole step
+    assert done.wait(timeout=120) == 0
+    assert query.steps_index(con, run)["step"].tolist() == list(range(last + 4))
+
+
 def test_relogged_steps_latest_write_wins(tmp_path):
     run = tmp_path / "relog"
     with MismatchCollector(run, flush_every_steps=2) as mc:
@@ -114,7 +139,7 @@ def test_reader_while_writer_appends_sees_no_error(tmp_path):
     stop, errors, seen = threading.Event(), [], []
     reader = threading.Thread(target=_reader_loop, args=(run, stop, errors, seen, 3))
     reader.start()
-    proc = _writer(run, 0, 25)
+    proc = _writer(run, 0, 25, mode="background")     # flushes on the writer's thread
     try:
         assert proc.wait(timeout=180) == 0
     finally:

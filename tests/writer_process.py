@@ -1,7 +1,9 @@
 """A writer process for crash and concurrency tests: logs steps forever (or N), flushing each.
 
-Usage: python writer_process.py RUN_DIR FIRST_STEP [COUNT] [SCALE]
-Prints "flushed <step>" after each step is durable (flush_every_steps=1).
+Usage: python writer_process.py RUN_DIR FIRST_STEP [COUNT] [SCALE] [MODE]
+MODE "flush" (default): prints "flushed <step>" after each step is durable (an explicit flush).
+MODE "background": every step's flush falls due and runs on the writer's background thread;
+prints "logged <step>" when log_step returns (the step may still be in flight).
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ def main() -> None:
     run_dir, first = sys.argv[1], int(sys.argv[2])
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 10**9
     scale = float(sys.argv[4]) if len(sys.argv) > 4 else 1e-2
+    background = len(sys.argv) > 5 and sys.argv[5] == "background"
     torch.set_num_threads(1)
     mc = MismatchCollector(run_dir, flush_every_steps=1, strict=True)
     for step in range(first, first + count):
         mc.log_step(step, make_batch(step, scale=scale, sequences=12, max_len=24))
-        mc.flush()                      # automatic flushes run in the background: wait for durability
+        if background:
+            print(f"logged {step}", flush=True)
+            continue
+        mc.flush()                      # due flushes run in the background: wait for durability
         print(f"flushed {step}", flush=True)
     mc.close()
 
