@@ -257,13 +257,13 @@ class MismatchCollector:
             self._note(f"{where} callback failed", exc)
 
     def _check_store(self) -> None:
-        """Report a background flush that failed (its steps stay buffered for the next one)."""
+        """Report what went wrong in a background flush (a failed write's steps stay buffered)."""
         error = self.writer.take_error() if self.writer is not None else None
         if error is None:
             return
         if self.strict:
             raise error
-        self._note("writing buffered steps failed (they are kept and written again by the next flush)", error)
+        self._note("the run store", error)
 
     def _append_empty(self, step: int, wall: float) -> None:
         """Record a step without statistics, so the index shows the error count at that step."""

@@ -13,8 +13,10 @@ import pytest
 from mismatch_monitor import query
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.exemplars import tail_exemplars
 from mismatch_monitor.store import RunWriter
 from mismatch_monitor.store import writer as writer_module
+from mismatch_monitor.store.writer import FlushError
 
 from synthetic import make_batch
 
@@ -66,7 +68,7 @@ def test_a_failed_background_flush_keeps_its_steps_and_is_reported_once(tmp_path
         reports = [mc.log_step(step, make_batch(step)) for step in range(7)]   # never raises
         assert mc.error_count == 1
         assert "No space left on device" in mc.last_error
-        assert "written again" in mc.last_error
+        assert "steps 0-1" in mc.last_error and "written again" in mc.last_error
     assert sum("No space left on device" in r.getMessage() for r in caplog.records) == 1
     assert reports[-1]["mismatch/collector_errors"] == 1.0
     con = query.connect()
@@ -85,7 +87,7 @@ def test_strict_mode_raises_the_background_error(tmp_path, monkeypatch):
     _recording_writes(monkeypatch, fail_background=1)
     mc = MismatchCollector(tmp_path / "run", flush_every_steps=1, flush_every_seconds=1e9, strict=True)
     mc.log_step(0, make_batch(0))                     # its flush fails in the background
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(FlushError, match="No space left"):
         mc.log_step(1, make_batch(1))                 # the next flush collects the failure
     mc.close()                                        # the kept steps are written now
     assert query.steps_index(query.connect(), tmp_path / "run")["step"].tolist() == [0, 1]
@@ -112,3 +114,26 @@ def test_a_process_that_exits_without_close_writes_every_step(tmp_path, steps, e
     index = query.steps_index(query.connect(), tmp_path / "run")
     assert index["step"].tolist() == list(range(steps))
     assert (index["n_tokens"] > 0).all()
+
+
+def test_exemplars_that_cannot_be_built_lose_only_themselves(tmp_path):
+    """A deferred table builder that raises must not stop this flush or any later one."""
+    stats = compute_stats(make_batch(0))
+    good = {"exemplar_tokens": tail_exemplars(make_batch(0), 4)["exemplar_tokens"]}
+
+    def broken():
+        raise ValueError("bad exemplar column")
+
+    writer = RunWriter(tmp_path / "run", flush_every_steps=2, flush_every_seconds=1e9)
+    writer.append_step(0, stats, broken, wall_time=0.0)
+    writer.append_step(1, stats, lambda: good, wall_time=1.0)      # due: flushed in the background
+    writer.append_step(2, stats, lambda: good, wall_time=2.0)
+    writer.flush()
+    error = writer.take_error()
+    assert isinstance(error, FlushError) and "step 0" in str(error) and "bad exemplar column" in str(error)
+    assert writer.take_error() is None                              # reported once
+    writer.append_step(3, stats, lambda: good, wall_time=3.0)
+    writer.close()
+    con = query.connect()
+    assert query.steps_index(con, tmp_path / "run")["step"].tolist() == [0, 1, 2, 3]
+    assert sorted(query.rows(con, tmp_path / "run", "exemplar_tokens")["step"].unique().tolist()) == [1, 2, 3]

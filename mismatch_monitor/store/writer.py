@@ -57,6 +57,10 @@ class IdSource:
 Buffer = dict[str, list[tuple["int | None", pd.DataFrame]]]
 
 
+class FlushError(RuntimeError):
+    """What went wrong in a background flush (the cause is chained)."""
+
+
 @dataclass
 class _Pending:
     """Steps taken out of the buffer for one flush: per table (step or None, frame), the index rows."""
@@ -65,22 +69,36 @@ class _Pending:
     steps: list[dict[str, Any]] = field(default_factory=list)
     # (step, a function returning tables): built when written, off the training thread
     deferred: list[tuple[int, Callable[[], Mapping[str, pd.DataFrame]]]] = field(default_factory=list)
+    errors: list[FlushError] = field(default_factory=list)
 
     def extend(self, later: "_Pending") -> None:
         for table, frames in later.buffer.items():
             self.buffer[table].extend(frames)
         self.steps.extend(later.steps)
         self.deferred.extend(later.deferred)
+        self.errors.extend(later.errors)
 
-    def tables(self) -> Buffer:
-        """Every buffered table, deferred ones built (the buffer itself stays as it was, so a
-        failed flush can give it back)."""
-        tables = {t: list(frames) for t, frames in self.buffer.items()}
+    def build_deferred(self) -> None:
+        """Build the deferred tables into the buffer, once: a write that fails and is tried
+        again does not build them twice. A builder that fails loses only its own tables (a bad
+        one must not stop every later flush); its error is kept."""
         for step, make in self.deferred:
-            for table, df in make().items():
+            try:
+                built = make()
+            except Exception as exc:
+                error = FlushError(f"the tables built at flush time for step {step} failed and were left "
+                                   f"out: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                self.errors.append(error)
+                continue
+            for table, df in built.items():
                 if len(df):
-                    tables[table].append((step, df))
-        return tables
+                    self.buffer[table].append((step, df))
+        self.deferred = []
+
+    def step_range(self) -> str:
+        steps = [row["step"] for row in self.steps]
+        return f"step {steps[0]}" if len(steps) == 1 else f"steps {min(steps)}-{max(steps)}"
 
 
 class RunWriter:
@@ -113,7 +131,7 @@ class RunWriter:
         self._background = background
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: tuple[Future[int], _Pending] | None = None
-        self._error: BaseException | None = None
+        self._error: FlushError | None = None
         self._last_flush = clock()
         self._lock = threading.RLock()
         self._closed = False
@@ -209,9 +227,9 @@ class RunWriter:
             inflight = len(self._inflight[1].steps) if self._inflight is not None else 0
             return len(self._pending.steps) + inflight
 
-    def take_error(self) -> BaseException | None:
-        """The error of the last failed background flush (its steps are written again by the
-        next flush), once; None when there was none."""
+    def take_error(self) -> FlushError | None:
+        """What went wrong in the last background flush, once (a failed write's steps are written
+        again by the next flush); None when nothing did."""
         with self._lock:
             error, self._error = self._error, None
             return error
@@ -227,10 +245,12 @@ class RunWriter:
             if pending is None:
                 return done
             try:
-                return done + self._write_pending(pending)
+                written = self._write_pending(pending)
             except BaseException:
                 self._restore(pending)
                 raise
+            self._keep_errors(pending)
+            return done + written
 
     def _flush_due(self) -> None:
         self._last_flush = self._clock()
@@ -256,11 +276,21 @@ class RunWriter:
         future, pending = self._inflight
         self._inflight = None
         try:
-            return future.result()
+            written = future.result()
         except BaseException as exc:
+            error = FlushError(f"writing {pending.step_range()} failed; they are kept and written again by "
+                               f"the next flush: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._error = error
             self._restore(pending)
-            self._error = exc
             return 0
+        self._keep_errors(pending)
+        return written
+
+    def _keep_errors(self, pending: _Pending) -> None:
+        if pending.errors:
+            self._error = pending.errors[-1]
+            pending.errors.clear()
 
     def _take(self) -> _Pending | None:
         if not self._pending.steps:
@@ -275,10 +305,10 @@ class RunWriter:
 
     def _write_pending(self, pending: _Pending) -> int:
         """One flush: a file per data table, then the index (which makes the steps visible)."""
+        pending.build_deferred()
         write_id = self._ids.next()
-        tables = pending.tables()
         for table in DATA_TABLES:
-            frames = tables[table]
+            frames = pending.buffer[table]
             if not frames:
                 continue
             df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
