@@ -102,7 +102,8 @@ def run_caption(view: View, span: Span | None, index: pd.DataFrame) -> None:
 
 def no_steps(what: str = "this page") -> None:
     st.info(f"No visible step yet, so nothing to show on {what}. A run becomes visible at its first "
-            "flush (every `flush_every_steps` steps, on `flush()` or on `close()`); data files written "
+            "flush (every `flush_every_steps` steps or `flush_every_seconds` seconds, on `flush()` or on "
+            "`close()`); data files written "
             "without their steps index (a flush cut short) are ignored.", icon=":material/hourglass_empty:")
 
 

@@ -257,13 +257,13 @@ class MismatchCollector:
             self._note(f"{where} callback failed", exc)
 
     def _check_store(self) -> None:
-        """Report what went wrong in a background flush (a failed write's steps stay buffered)."""
-        error = self.writer.take_error() if self.writer is not None else None
-        if error is None:
-            return
-        if self.strict:
-            raise error
-        self._note("the run store", error)
+        """Report what went wrong in the writer's flushes (a failed write's steps stay buffered
+        and are written again): each error is counted and logged; strict mode raises the first."""
+        errors = self.writer.take_errors() if self.writer is not None else []
+        if errors and self.strict:
+            raise errors[0]
+        for error in errors:
+            self._note("the run store", error)
 
     def _append_empty(self, step: int, wall: float) -> None:
         """Record a step without statistics, so the index shows the error count at that step."""
@@ -285,13 +285,16 @@ class MismatchCollector:
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
+        """Write every buffered step now (synchronously)."""
         if self.writer is not None:
             self.writer.flush()
+            self._check_store()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self._finalizer.detach()
+            self._check_store()
 
     def __enter__(self) -> "MismatchCollector":
         return self

@@ -290,28 +290,23 @@ def _label_codes(cols: Mapping[str, object], n: int, dim: str, index: dict[str |
 
 
 def _grouped(cols: Mapping[str, object], table: str, codes: np.ndarray, G: int) -> dict[str, np.ndarray]:
-    """Merged columns of ``table`` per group code (rows with code -1 are left out), followed by
-    one more group merging every row: [G + 1] each, merged by the column's rule."""
-    rules = merge_rules(table)
+    """Merged columns of ``table`` per group code (rows with code -1 are in no group), followed
+    by one more entry merging every row: [G + 1] each, merged by the column's rule. Column by
+    column: a product with a one-hot matrix would spread one group's inf to every other (0 * inf)."""
     keep = codes >= 0
-    codes = codes[keep]
-    onehot = np.zeros((G + 1, len(codes)))
-    onehot[codes, np.arange(len(codes))] = 1.0
-    onehot[G] = 1.0
-    sums = [c for c, r in rules.items() if r == "sum"]
+    kept = codes[keep]
     out: dict[str, np.ndarray] = {}
-    if sums:
-        matrix = np.column_stack([np.asarray(cols[c], dtype=np.float64) for c in sums])
-        summed = onehot @ matrix[keep]
-        out.update(zip(sums, summed.T))
-    for col, rule in rules.items():
+    for col, rule in merge_rules(table).items():
+        values = np.asarray(cols[col], dtype=np.float64)
+        acc = np.empty(G + 1)
         if rule == "sum":
-            continue
-        values = np.asarray(cols[col], dtype=np.float64)[keep]
-        acc = np.full(G + 1, np.nan)
-        how = np.fmax if rule == "max" else np.fmin
-        how.at(acc, codes, values)
-        acc[G] = how.reduce(values) if len(values) else np.nan
+            acc[:G] = np.bincount(kept, weights=values[keep], minlength=G)
+            acc[G] = values.sum()
+        else:
+            how = np.fmax if rule == "max" else np.fmin
+            acc[:G] = np.nan
+            how.at(acc, kept, values[keep])
+            acc[G] = how.reduce(values) if len(values) else np.nan
         out[col] = acc
     return out
 
@@ -322,6 +317,8 @@ def report_by_label(stats, dim: str = "pool", config: MetricConfig | None = None
     as ``report(stats, [dim])`` and ``report(stats)``, without the general group-by (the
     collector reports every step). Sums are float64 (exact for counts below 2^53)."""
     config = config or MetricConfig()
+    if dim not in stats.dims:
+        raise ValueError(f"{dim!r} is not a label dimension of these statistics (they have {list(stats.dims)})")
     rows = {t: len(stats.tables[t]) for t in METRIC_TABLES}
     if rows["tokens"] == 0:
         empty = {k: np.zeros(0) for k in METRIC_BY_KEY}
@@ -335,15 +332,16 @@ def report_by_label(stats, dim: str = "pool", config: MetricConfig | None = None
     seq_codes, _ = _label_codes(sequences, rows["sequences"], dim, index)
     seq = _grouped(sequences, "sequences", seq_codes, G)
     present = np.bincount(seq_codes[seq_codes >= 0], minlength=G + 1) > 0
-    present[G] = bool(present[:G].any())
+    present[G] = rows["sequences"] > 0
     for column in seq.values():
         column[~present] = np.nan         # a group without sequence rows: no sequence value
     values.update(_sequence_values(seq, G + 1))
     hist_codes, _ = _label_codes(hist, rows["abs_hist"], dim, index)
     hit = hist_codes >= 0
-    group = np.concatenate([hist_codes[hit], np.full(int(hit.sum()), G)])
-    bins = np.tile(np.asarray(hist["bin"])[hit], 2)
-    counts = np.tile(np.asarray(hist["count"])[hit], 2)
+    bins, counts = np.asarray(hist["bin"]), np.asarray(hist["count"])
+    group = np.concatenate([hist_codes[hit], np.full(rows["abs_hist"], G)])   # then every row: the total
+    bins = np.concatenate([bins[hit], bins])
+    counts = np.concatenate([counts[hit], counts])
     values.update(_quantile_values(group, bins, counts, values["mismatch/abs_log_ratio/max"], config))
     by = GroupMetrics(dim, tuple(labels), {k: v[:G] for k, v in values.items()})
     total = GroupMetrics(None, (None,), {k: v[G:] for k, v in values.items()})

@@ -131,3 +131,27 @@ def test_the_per_pool_report_of_a_pool_of_only_invalid_tokens_is_null():
     assert np.isnan(row["mismatch/seq/n_sequences"]) and np.isnan(row["mismatch/k3_kl"])
     empty_pool, empty_fleet = metrics.report_by_label(MismatchStats.empty(), "pool")
     assert len(empty_pool) == 0 and len(empty_fleet) == 0
+
+
+def test_one_pools_overflowing_sum_stays_in_that_pool():
+    """A single valid but extreme token (log-prob -800: exp|lr| overflows to inf) makes its own
+    pool's sums infinite; every other pool and the fleet's finite metrics must be untouched."""
+    case = make_case(39, num_sequences=15, bad_fraction=0.0)
+    t = case.trainer.copy()
+    pool = np.asarray(case.labels["pool"])[case.seq]
+    t[np.flatnonzero(pool == pool[0])[0]] = -800.0
+    stats = compute_stats(replace(case, trainer=t).batch())
+    by_pool, fleet = _by_label_frames(stats)
+    want = metrics.report(stats, ["pool"])
+    np.testing.assert_array_equal(by_pool.drop(columns="pool").to_numpy(np.float64),
+                                  want.drop(columns="pool").to_numpy(np.float64))
+    mult = by_pool.set_index("pool")["mismatch/mult_prob_error"]
+    assert np.isinf(mult[pool[0]]) and np.isfinite(mult.drop(index=pool[0])).all()
+    np.testing.assert_allclose(fleet.to_numpy(np.float64), metrics.report(stats).to_numpy(np.float64),
+                               rtol=1e-12, equal_nan=True)
+
+
+def test_the_per_label_report_refuses_a_dimension_it_does_not_have():
+    stats = compute_stats(make_case(40, num_sequences=6).batch())
+    with pytest.raises(ValueError, match="turn_bucket"):
+        metrics.report_by_label(stats, "turn_bucket")

@@ -129,11 +129,57 @@ def test_exemplars_that_cannot_be_built_lose_only_themselves(tmp_path):
     writer.append_step(1, stats, lambda: good, wall_time=1.0)      # due: flushed in the background
     writer.append_step(2, stats, lambda: good, wall_time=2.0)
     writer.flush()
-    error = writer.take_error()
-    assert isinstance(error, FlushError) and "step 0" in str(error) and "bad exemplar column" in str(error)
-    assert writer.take_error() is None                              # reported once
+    errors = writer.take_errors()
+    assert len(errors) == 1 and isinstance(errors[0], FlushError)
+    assert "step 0" in str(errors[0]) and "bad exemplar column" in str(errors[0])
+    assert writer.take_errors() == []                               # reported once
     writer.append_step(3, stats, lambda: good, wall_time=3.0)
     writer.close()
     con = query.connect()
     assert query.steps_index(con, tmp_path / "run")["step"].tolist() == [0, 1, 2, 3]
     assert sorted(query.rows(con, tmp_path / "run", "exemplar_tokens")["step"].unique().tolist()) == [1, 2, 3]
+
+
+def test_errors_collected_by_close_are_reported(tmp_path, monkeypatch, caplog):
+    _recording_writes(monkeypatch, fail_background=1)
+    mc = MismatchCollector(tmp_path / "run", flush_every_steps=2, flush_every_seconds=1e9)
+    for step in range(3):
+        mc.log_step(step, make_batch(step))   # steps 0-1 fail in the background, unseen so far
+    mc.close()                                # collects the failure, writes steps 0-2 itself
+    assert mc.error_count == 1 and "steps 0-1" in mc.last_error
+    assert any("No space left on device" in r.getMessage() for r in caplog.records)
+    assert query.steps_index(query.connect(), tmp_path / "run")["step"].tolist() == [0, 1, 2]
+
+
+def test_a_step_logged_twice_before_a_flush_is_written_once_as_logged_last(tmp_path):
+    first, second = compute_stats(make_batch(0)), compute_stats(make_batch(0, seed=5, sequences=9))
+    writer = RunWriter(tmp_path / "run", flush_every_steps=100, flush_every_seconds=1e9)
+    writer.append_step(0, first, wall_time=0.0)
+    writer.append_step(1, first, wall_time=1.0)
+    writer.append_step(0, second, wall_time=2.0)      # a retried step: this one counts
+    writer.close()
+    con = query.connect()
+    index = query.steps_index(con, tmp_path / "run")
+    assert index["step"].tolist() == [0, 1]
+    assert index["n_tokens"].tolist() == [int(second["tokens"]["n_tokens"].sum()),
+                                          int(first["tokens"]["n_tokens"].sum())]
+    series = query.metric_series(con, tmp_path / "run", metrics=["mismatch/n_tokens"])
+    assert series["mismatch/n_tokens"].tolist() == index["n_tokens"].astype(float).tolist()
+
+
+def test_close_called_on_the_flush_thread_does_not_wait_for_itself(tmp_path):
+    """A finalizer the garbage collector runs on the flush thread may call close() there."""
+    stats = compute_stats(make_batch(0))
+    writer = RunWriter(tmp_path / "run", flush_every_steps=1, flush_every_seconds=1e9)
+
+    def closing_builder():
+        writer.close()                               # on the flush thread, mid-flush
+        return {}
+
+    writer.append_step(0, stats, closing_builder, wall_time=0.0)   # due: flushed in the background
+    for _ in range(300):
+        if writer.closed:
+            break
+        threading.Event().wait(0.1)
+    assert writer.closed
+    assert query.steps_index(query.connect(), tmp_path / "run")["step"].tolist() == [0]

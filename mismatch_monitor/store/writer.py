@@ -9,8 +9,9 @@ Reopening a run directory appends; a step logged again later wins (higher ``writ
 The flushes that fall due while steps arrive run on one background thread (``background=True``,
 the default), so training does not wait for Parquet encoding and fsync; one flush is in flight
 at a time, in order. A flush that fails keeps its steps, which the next flush writes again; its
-error is kept for :meth:`take_error`. ``flush()`` and ``close()`` write everything before they
-return and raise what fails.
+error is kept for :meth:`take_errors`. ``flush()`` and ``close()`` write everything before they
+return and raise what fails. A step logged twice before it is written is written once, as
+logged last (a later flush of the same step wins anyway, by its higher ``write_id``).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from .runinfo import RUN_FILE, read_run_info
 from .schema import DATA_TABLES, SCHEMA_VERSION, STEPS_TABLE, file_name, to_arrow
 
 
-# a crash loses at most this much unflushed data; 100 steps amortise the per-file cost of a
-# flush (one file per table, fsynced) when steps are fast, 10 s bounds the loss when they are slow
+# 100 steps amortise the per-file cost of a flush (one file per table, fsynced) when steps are
+# fast; 10 s (checked when a step arrives) bounds what waits in memory when they are slow. A crash
+# loses what is buffered and the flush in flight: up to about two of these intervals.
 FLUSH_EVERY_STEPS = 100
 FLUSH_EVERY_SECONDS = 10.0
 
@@ -54,7 +56,9 @@ class IdSource:
             return self._last
 
 
-Buffer = dict[str, list[tuple["int | None", pd.DataFrame]]]
+# per table: (step or None for rows that carry their own, the append that logged it, frame)
+Buffer = dict[str, list[tuple["int | None", "int | None", pd.DataFrame]]]
+Builder = Callable[[], Mapping[str, pd.DataFrame]]
 
 
 class FlushError(RuntimeError):
@@ -63,38 +67,50 @@ class FlushError(RuntimeError):
 
 @dataclass
 class _Pending:
-    """Steps taken out of the buffer for one flush: per table (step or None, frame), the index rows."""
+    """Steps taken out of the buffer for one flush: the tables, the index rows, and which append
+    logged each index row (a step logged twice before a flush is written once: the later)."""
 
     buffer: Buffer = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
     steps: list[dict[str, Any]] = field(default_factory=list)
-    # (step, a function returning tables): built when written, off the training thread
-    deferred: list[tuple[int, Callable[[], Mapping[str, pd.DataFrame]]]] = field(default_factory=list)
+    appends: list[int] = field(default_factory=list)
+    # (step, append, a function returning tables): built when written, off the training thread
+    deferred: list[tuple[int, int, Builder]] = field(default_factory=list)
     errors: list[FlushError] = field(default_factory=list)
 
     def extend(self, later: "_Pending") -> None:
         for table, frames in later.buffer.items():
             self.buffer[table].extend(frames)
         self.steps.extend(later.steps)
+        self.appends.extend(later.appends)
         self.deferred.extend(later.deferred)
         self.errors.extend(later.errors)
+
+    def latest(self) -> tuple[list[dict[str, Any]], set[int]]:
+        """The index rows to write (the last append of each step, in order) and those appends."""
+        last: dict[int, int] = {}
+        for row, append in zip(self.steps, self.appends):
+            last[row["step"]] = append
+        keep = set(last.values())
+        return [row for row, append in zip(self.steps, self.appends) if append in keep], keep
 
     def build_deferred(self) -> None:
         """Build the deferred tables into the buffer, once: a write that fails and is tried
         again does not build them twice. A builder that fails loses only its own tables (a bad
         one must not stop every later flush); its error is kept."""
-        for step, make in self.deferred:
+        deferred, self.deferred = self.deferred, []
+        for step, append, make in deferred:
             try:
-                built = make()
+                built = [(table, df) for table, df in make().items() if len(df)]
+                if any(table not in self.buffer for table, _ in built):
+                    raise ValueError(f"unknown tables {sorted(t for t, _ in built if t not in self.buffer)}")
             except Exception as exc:
                 error = FlushError(f"the tables built at flush time for step {step} failed and were left "
                                    f"out: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 self.errors.append(error)
                 continue
-            for table, df in built.items():
-                if len(df):
-                    self.buffer[table].append((step, df))
-        self.deferred = []
+            for table, df in built:
+                self.buffer[table].append((step, append, df))
 
     def step_range(self) -> str:
         steps = [row["step"] for row in self.steps]
@@ -131,7 +147,9 @@ class RunWriter:
         self._background = background
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: tuple[Future[int], _Pending] | None = None
-        self._error: FlushError | None = None
+        self._errors: list[FlushError] = []
+        self._appends = 0                         # numbers every append_step
+        self._flush_thread: int | None = None     # ident of the background flush thread
         self._last_flush = clock()
         self._lock = threading.RLock()
         self._closed = False
@@ -182,22 +200,24 @@ class RunWriter:
                     *, wall_time: float | None = None, collector_errors: int = 0) -> None:
         """Buffer one step's statistics (``stats=None`` records a step with no observation).
         ``exemplars``: their tables, or a function that builds them when the step is written."""
-        if self._closed:
-            raise RuntimeError(f"run writer for {self.run_dir} is closed")
         step = int(step)
         wall = self._clock() if wall_time is None else float(wall_time)
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"run writer for {self.run_dir} is closed")
+            self._appends += 1
+            append = self._appends
             buffer = self._pending.buffer
             if stats is not None:
                 for table, df in stats.tables.items():
                     if len(df):
-                        buffer[table].append((step, df))
+                        buffer[table].append((step, append, df))
             if callable(exemplars):
-                self._pending.deferred.append((step, exemplars))
+                self._pending.deferred.append((step, append, exemplars))
             else:
                 for table, df in (exemplars or {}).items():
                     if len(df):
-                        buffer[table].append((step, df))
+                        buffer[table].append((step, append, df))
             tokens = stats.tables["tokens"] if stats is not None else None
             seqs = stats.tables["sequences"] if stats is not None else None
             self._pending.steps.append({
@@ -208,13 +228,14 @@ class RunWriter:
                 "n_cells": len(tokens) if tokens is not None else 0,
                 "collector_errors": int(collector_errors),
             })
+            self._pending.appends.append(append)
             if self._due():
                 self._flush_due()
 
     def append_alerts(self, rows: list[Mapping[str, Any]]) -> None:
         if rows:
             with self._lock:
-                self._pending.buffer["alerts"].append((None, pd.DataFrame([dict(r) for r in rows])))
+                self._pending.buffer["alerts"].append((None, None, pd.DataFrame([dict(r) for r in rows])))
 
     def _due(self) -> bool:
         return (len(self._pending.steps) >= self._flush_every_steps
@@ -227,12 +248,12 @@ class RunWriter:
             inflight = len(self._inflight[1].steps) if self._inflight is not None else 0
             return len(self._pending.steps) + inflight
 
-    def take_error(self) -> FlushError | None:
-        """What went wrong in the last background flush, once (a failed write's steps are written
-        again by the next flush); None when nothing did."""
+    def take_errors(self) -> list[FlushError]:
+        """What went wrong in flushes since the last call, oldest first, each once (a failed
+        write's steps are written again by the next flush)."""
         with self._lock:
-            error, self._error = self._error, None
-            return error
+            errors, self._errors = self._errors, []
+            return errors
 
     # ------------------------------------------------------------------ flushing
     def flush(self) -> int:
@@ -264,7 +285,7 @@ class RunWriter:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mismatch-monitor-flush")
         try:
-            self._inflight = (self._executor.submit(self._write_pending, pending), pending)
+            self._inflight = (self._executor.submit(self._write_in_background, pending), pending)
         except RuntimeError:                             # interpreter shutting down: write here
             self._restore(pending)
             self.flush()
@@ -281,16 +302,15 @@ class RunWriter:
             error = FlushError(f"writing {pending.step_range()} failed; they are kept and written again by "
                                f"the next flush: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            self._error = error
+            self._errors.append(error)
             self._restore(pending)
             return 0
         self._keep_errors(pending)
         return written
 
     def _keep_errors(self, pending: _Pending) -> None:
-        if pending.errors:
-            self._error = pending.errors[-1]
-            pending.errors.clear()
+        self._errors.extend(pending.errors)
+        pending.errors.clear()
 
     def _take(self) -> _Pending | None:
         if not self._pending.steps:
@@ -303,26 +323,36 @@ class RunWriter:
         older.extend(self._pending)
         self._pending = older
 
+    def _write_in_background(self, pending: _Pending) -> int:
+        self._flush_thread = threading.get_ident()
+        return self._write_pending(pending)
+
     def _write_pending(self, pending: _Pending) -> int:
         """One flush: a file per data table, then the index (which makes the steps visible)."""
         pending.build_deferred()
+        steps, keep = pending.latest()
         write_id = self._ids.next()
         for table in DATA_TABLES:
-            frames = pending.buffer[table]
+            frames = [(s, df) for s, append, df in pending.buffer[table] if append is None or append in keep]
             if not frames:
                 continue
             df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
             if frames[0][0] is not None:  # rows of steps (alert rows carry their own step)
                 df = df.assign(step=np.repeat([s for s, _ in frames], [len(f) for _, f in frames]))
             self._write(table, df, write_id)
-        self._write(STEPS_TABLE, pd.DataFrame(pending.steps), write_id)   # last: makes the steps visible
-        return len(pending.steps)
+        self._write(STEPS_TABLE, pd.DataFrame(steps), write_id)   # last: makes the steps visible
+        return len(steps)
 
     def _write(self, table: str, df: pd.DataFrame, write_id: int) -> None:
         df = df.assign(write_id=write_id, file_id=write_id)
         write_parquet_atomic(to_arrow(df, table), self.run_dir / table / file_name(write_id))
 
     def close(self) -> None:
+        if self._flush_thread is not None and threading.get_ident() == self._flush_thread:
+            # called on the flush thread itself (a finalizer the garbage collector ran there):
+            # waiting there for the flush in flight would never end, so close from another thread
+            threading.Thread(target=self.close, name="mismatch-monitor-close").start()
+            return
         with self._lock:
             if self._closed:
                 return
