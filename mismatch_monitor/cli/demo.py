@@ -88,7 +88,8 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
     meta = {"simulator": {"config": asdict(config), **(metadata or {})}}
     collector = MismatchCollector(run_dir, config=config.thresholds, run_id=run_id,
                                   pools=sim.pool_metadata(), alert_evaluator=evaluator,
-                                  exporter=exporter, metadata=meta)
+                                  exporter=exporter, metadata=meta,
+                                  flush_every_seconds=2.0)   # the dashboard follows the run closely
 
     def on_resync(event: Any) -> None:
         pool = event.pool if event.pool in sim.samplers else None   # fleet-wide: every pool
