@@ -60,7 +60,8 @@ class TokenBatch:
     Attributes (N tokens, B sequences, L layers, K experts per token):
         trainer_logprobs, sampler_logprobs: ``[N]`` float, log pi and log mu of the sampled tokens.
         seq_index: ``[N]`` int64, the sequence each token belongs to (0..B-1).
-        position: ``[N]`` int64, the token's position within its response.
+        position: ``[N]`` int64, the token's position within its response (a property: with
+            contiguous sequences it is computed when asked; :meth:`positions_of` for a few tokens).
         num_sequences: B.
         labels: dimension -> B strings (pool, hardware, precision, engine, env, or any other).
         turn_index: ``[N]`` int64 turn of each token (multi-turn agents) or None.
@@ -72,12 +73,13 @@ class TokenBatch:
         token_ids: ``[N]`` int64 token ids (kept in exemplars) or None.
         seq_offsets: ``[B + 1]`` int64 when every sequence's tokens are contiguous and in order
             (the padded and offsets layouts), else None; lets exemplars read one sequence's tokens.
+        position_index: ``[N]`` int64 positions when sequences are not contiguous (``seq_ids``
+            layout), else None.
     """
 
     trainer_logprobs: torch.Tensor
     sampler_logprobs: torch.Tensor
     seq_index: torch.Tensor
-    position: torch.Tensor
     num_sequences: int
     labels: Mapping[str, tuple[str | None, ...]] = field(default_factory=dict)
     turn_index: torch.Tensor | None = None
@@ -90,6 +92,20 @@ class TokenBatch:
     sampler_kept_logmass: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
     seq_offsets: torch.Tensor | None = None
+    position_index: torch.Tensor | None = None
+
+    @property
+    def position(self) -> torch.Tensor:
+        """``[N]`` int64 position of every token within its response."""
+        return self.positions_of(torch.arange(self.num_tokens, device=self.device))
+
+    def positions_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Positions of the tokens at flat indices ``tokens`` (reads only those)."""
+        if self.position_index is not None:
+            return self.position_index[tokens]
+        if self.seq_offsets is None:
+            raise BatchError("a batch needs seq_offsets or position_index to know positions")
+        return tokens - self.seq_offsets[self.seq_index[tokens]]
 
     @property
     def num_tokens(self) -> int:
@@ -136,7 +152,7 @@ class TokenBatch:
                      sampler_kept_logmass=sampler_kept_logmass, token_ids=token_ids)
         mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
         B, T = trainer_logprobs.shape
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major: tokens stay in sequence order
+        rows = mask.nonzero(as_tuple=True)[0]  # row-major: tokens stay in sequence order
 
         def per_token(name: str, t: torch.Tensor | None, extra: int = 0) -> torch.Tensor | None:
             if t is None:
@@ -152,7 +168,6 @@ class TokenBatch:
             trainer_logprobs=trainer_logprobs[mask],
             sampler_logprobs=sampler_logprobs[mask],
             seq_index=rows.to(torch.int64),
-            position=(mask.to(torch.int64).cumsum(1) - 1)[rows, cols],
             num_sequences=B,
             seq_offsets=torch.cat([mask.new_zeros(1, dtype=torch.int64), mask.sum(1).cumsum(0)]),
             labels=labels,
@@ -220,7 +235,7 @@ class TokenBatch:
                 raise BatchError("expected non-decreasing seq_offsets")
             B = offsets.numel() - 1
             seq_index = torch.repeat_interleave(torch.arange(B, device=device), lengths)
-            position = torch.arange(N, device=device) - offsets[:-1][seq_index]
+            position = None                      # contiguous sequences: computed when asked
         else:
             _check_int("seq_ids", seq_ids)
             if seq_ids.shape != trainer_logprobs.shape:
@@ -254,7 +269,7 @@ class TokenBatch:
             trainer_logprobs=trainer_logprobs,
             sampler_logprobs=sampler_logprobs,
             seq_index=seq_index,
-            position=position,
+            position_index=position,
             num_sequences=B,
             seq_offsets=offsets if seq_offsets is not None else None,
             labels=labels,

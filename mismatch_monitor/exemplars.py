@@ -148,7 +148,7 @@ def select_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = No
     tokens = {
         **_labels(batch, seq_of_tok),
         "seq_index": seq_of_tok.astype(np.int64),
-        "position": batch.position[tok].cpu().numpy().astype(np.int64),
+        "position": batch.positions_of(tok).cpu().numpy().astype(np.int64),
         "turn_index": (batch.turn_index[tok].cpu().numpy() if batch.turn_index is not None
                        else np.array([pd.NA] * len(tok), dtype=object)),
         "token_id": (batch.token_ids[tok].cpu().numpy() if batch.token_ids is not None

@@ -141,6 +141,12 @@ def test_padded_layout_keeps_only_masked_tokens_in_order():
     torch.testing.assert_close(b.trainer_logprobs, kw["trainer_logprobs"][mask.bool()])
 
 
+def test_flat_offsets_positions_of_a_few_tokens_match_every_position():
+    b = TokenBatch.from_flat(**flat(n=7, seq_offsets=[0, 3, 3, 7]))
+    assert b.position.tolist() == [0, 1, 2, 0, 1, 2, 3]
+    assert b.positions_of(torch.tensor([6, 0, 4])).tolist() == [3, 0, 1]
+
+
 def test_flat_seq_ids_in_any_order_get_positions_by_appearance():
     ids = torch.tensor([1, 0, 1, 2, 0, 1])
     b = TokenBatch.from_flat(**flat(n=6, seq_offsets=None, seq_ids=ids, num_sequences=4))
