@@ -17,6 +17,7 @@ Read from the histogram it is within alpha of that order statistic (values insid
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -96,11 +97,16 @@ class LogBins:
         return np.where(b == self.overflow_bin, self.max_value, edge)
 
 
+@functools.lru_cache(maxsize=64)
+def _as_fraction(q: float) -> tuple[int, int]:
+    frac = Fraction(repr(q)).limit_denominator(1_000_000)
+    return frac.numerator, frac.denominator
+
+
 def nearest_rank(q: float, total: np.ndarray) -> np.ndarray:
     """1-based rank max(1, ceil(q n)) in exact integer arithmetic, q read as the fraction it
     is written as (0.999 = 999/1000): a float product q * n may land just above an integer."""
-    frac = Fraction(repr(float(q))).limit_denominator(1_000_000)
-    num, den = frac.numerator, frac.denominator
+    num, den = _as_fraction(float(q))
     n = np.asarray(total, dtype=np.int64)
     whole, rest = np.divmod(n, den)                 # q n = num whole + num rest / den
     return np.maximum(1, num * whole + -((-num * rest) // den))
@@ -133,14 +139,12 @@ def quantiles_from_counts(
     total = np.bincount(g, weights=c, minlength=G).astype(np.int64)
     start = np.concatenate(([0], np.cumsum(total)[:-1]))  # cumulative count before each group
     last = None if exact_max is None else np.asarray(exact_max, dtype=np.float64)
-    for j, q in enumerate(qs):
-        rank = nearest_rank(q, total)
-        has = total > 0
-        pos = np.searchsorted(cum, (start + rank)[has], side="left")
-        gi = np.nonzero(has)[0]
-        over = None if last is None else np.abs(last[gi])
-        values = bins.representative(b[pos], over)
-        out[gi, j] = values
+    gi = np.nonzero(total > 0)[0]
+    # every quantile of every group in one search: ranks [groups, quantiles]
+    rank = np.stack([nearest_rank(q, total[gi]) for q in qs], axis=1)
+    pos = np.searchsorted(cum, (start[gi, None] + rank).ravel(), side="left")
+    over = None if last is None else np.repeat(np.abs(last[gi]), len(qs))
+    out[gi] = bins.representative(b[pos], over).reshape(len(gi), len(qs))
     if exact_max is not None:
         out = np.minimum(out, np.asarray(exact_max, dtype=np.float64)[:, None])
     if exact_min is not None:
