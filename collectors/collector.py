@@ -179,7 +179,7 @@ class MismatchCollector:
             stats, per_sequence = compute_stats_with_sequences(batch, self.config, workers=self.workers)
             selected = select_exemplars(batch, self.exemplars_k, self.config, per_sequence)
             # the writer builds the exemplar tables when it flushes; a reducer gathers tables now
-            exemplars = selected.frames() if self.reducer is not None else selected.frames
+            exemplars = selected.frames() if self.reducer is not None else selected
         except Exception as exc:  # never take training down unless asked to
             if self.strict and self.reducer is None:
                 raise

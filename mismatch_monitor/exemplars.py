@@ -8,7 +8,7 @@ of several ranks or batches keeps the global top K (:func:`merge_exemplars`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -43,23 +43,50 @@ def _labels(batch: TokenBatch, seq: np.ndarray) -> dict[str, list[str | None]]:
 @dataclass(frozen=True)
 class Exemplars:
     """The exemplars of one batch as plain columns (small arrays and label lists; no reference
-    to the batch). :meth:`frames` builds the tables, which the run writer does when it flushes."""
+    to the batch). :meth:`frames` builds its tables; :meth:`frames_of` builds the tables of many
+    sets at once, which the run writer does when it flushes (a frame costs far more to build
+    than its few rows)."""
 
     columns: dict[str, dict[str, object]]     # table -> column -> values
 
     def frames(self) -> dict[str, pd.DataFrame]:
+        return {table: _frame(table, cols) for table, cols in self.columns.items()}
+
+    @staticmethod
+    def frames_of(items: Sequence[tuple[int, "Exemplars"]], key: str = "step") -> dict[str, pd.DataFrame]:
+        """One table each for many exemplar sets; every row carries its set's ``key`` (a column)."""
         out = {}
-        for table, cols in self.columns.items():
-            data: dict[str, object] = {}
-            for name, values in cols.items():
-                if isinstance(values, list):
-                    data[name] = pd.array(values, dtype=_STRING)
-                elif name in _NULLABLE_INT:
-                    data[name] = pd.array(values, dtype=_INT64)
+        for table in EXEMPLAR_TABLES:
+            parts = [(k, e.columns[table]) for k, e in items if e.columns.get(table)]
+            if not parts:
+                continue
+            names = list(dict.fromkeys(name for _, cols in parts for name in cols))
+            sizes = [len(next(iter(cols.values()))) for _, cols in parts]
+            merged: dict[str, object] = {}
+            for name in names:
+                values = [cols.get(name) for _, cols in parts]
+                if all(isinstance(v, list) or v is None for v in values):     # labels (absent: null)
+                    merged[name] = [x for v, n in zip(values, sizes) for x in (v if v is not None else [None] * n)]
                 else:
-                    data[name] = values
-            out[table] = pd.DataFrame(data) if data else empty_exemplars(table)
+                    merged[name] = np.concatenate([np.asarray(v) for v in values])
+            frame = _frame(table, merged)
+            frame[key] = np.repeat(np.array([k for k, _ in parts], dtype=np.int64), sizes)
+            out[table] = frame
         return out
+
+
+def _frame(table: str, cols: Mapping[str, object]) -> pd.DataFrame:
+    if not cols:
+        return empty_exemplars(table)
+    data: dict[str, object] = {}
+    for name, values in cols.items():
+        if isinstance(values, list):
+            data[name] = pd.array(values, dtype=_STRING)
+        elif name in _NULLABLE_INT:
+            data[name] = pd.array(values, dtype=_INT64)
+        else:
+            data[name] = values
+    return pd.DataFrame(data)
 
 
 _NULLABLE_INT = ("turn_index", "token_id")

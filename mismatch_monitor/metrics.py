@@ -31,10 +31,11 @@ def _f(values) -> np.ndarray:
 
 
 def _div(num: pd.Series | np.ndarray, den: pd.Series | np.ndarray) -> np.ndarray:
+    """num / den where den > 0, else NaN (divides only there: no warning to silence)."""
     num = np.asarray(num, dtype=np.float64)
     den = np.asarray(den, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den > 0, num / np.where(den > 0, den, 1.0), np.nan)
+    out = np.full(np.broadcast_shapes(num.shape, den.shape), np.nan)
+    return np.divide(num, den, out=out, where=den > 0)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 from mismatch_monitor import query
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.engine import compute_stats
-from mismatch_monitor.exemplars import tail_exemplars
+from mismatch_monitor.exemplars import Exemplars, select_exemplars, tail_exemplars
 from mismatch_monitor.store import RunWriter
 from mismatch_monitor.store import writer as writer_module
 from mismatch_monitor.store.writer import FlushError
@@ -116,28 +116,58 @@ def test_a_process_that_exits_without_close_writes_every_step(tmp_path, steps, e
     assert (index["n_tokens"] > 0).all()
 
 
+class _Exemplars(Exemplars):
+    """Real exemplars, except that a set marked broken cannot be built."""
+
+    broken = False
+
+    @staticmethod
+    def frames_of(items, key="step"):
+        bad = [k for k, e in items if e.broken]
+        if bad:
+            raise ValueError(f"bad exemplar column in set {bad}")
+        return Exemplars.frames_of(items, key=key)
+
+
+def _exemplars(step: int, broken: bool = False) -> _Exemplars:
+    e = _Exemplars(select_exemplars(make_batch(step), 4).columns)
+    object.__setattr__(e, "broken", broken)
+    return e
+
+
 def test_exemplars_that_cannot_be_built_lose_only_themselves(tmp_path):
-    """A deferred table builder that raises must not stop this flush or any later one."""
+    """A set of deferred tables that cannot be built must not stop this flush or any later one,
+    nor take the other steps' exemplars with it."""
     stats = compute_stats(make_batch(0))
-    good = {"exemplar_tokens": tail_exemplars(make_batch(0), 4)["exemplar_tokens"]}
-
-    def broken():
-        raise ValueError("bad exemplar column")
-
     writer = RunWriter(tmp_path / "run", flush_every_steps=2, flush_every_seconds=1e9)
-    writer.append_step(0, stats, broken, wall_time=0.0)
-    writer.append_step(1, stats, lambda: good, wall_time=1.0)      # due: flushed in the background
-    writer.append_step(2, stats, lambda: good, wall_time=2.0)
+    writer.append_step(0, stats, _exemplars(0, broken=True), wall_time=0.0)
+    writer.append_step(1, stats, _exemplars(1), wall_time=1.0)      # due: flushed in the background
+    writer.append_step(2, stats, _exemplars(2), wall_time=2.0)
     writer.flush()
     errors = writer.take_errors()
     assert len(errors) == 1 and isinstance(errors[0], FlushError)
     assert "step 0" in str(errors[0]) and "bad exemplar column" in str(errors[0])
     assert writer.take_errors() == []                               # reported once
-    writer.append_step(3, stats, lambda: good, wall_time=3.0)
+    writer.append_step(3, stats, _exemplars(3), wall_time=3.0)
     writer.close()
     con = query.connect()
     assert query.steps_index(con, tmp_path / "run")["step"].tolist() == [0, 1, 2, 3]
-    assert sorted(query.rows(con, tmp_path / "run", "exemplar_tokens")["step"].unique().tolist()) == [1, 2, 3]
+    got = query.rows(con, tmp_path / "run", "exemplar_tokens")
+    assert sorted(got["step"].unique().tolist()) == [1, 2, 3]
+    for step in (1, 2, 3):   # each step's rows are its own exemplars, built together with others'
+        want = tail_exemplars(make_batch(step), 4)["exemplar_tokens"]["abs_log_ratio"]
+        assert sorted(got.loc[got["step"] == step, "abs_log_ratio"]) == sorted(want)
+
+
+def test_exemplars_of_a_step_logged_again_are_the_later_ones(tmp_path):
+    stats = compute_stats(make_batch(0))
+    writer = RunWriter(tmp_path / "run", flush_every_steps=100, flush_every_seconds=1e9)
+    writer.append_step(0, stats, _exemplars(10), wall_time=0.0)
+    writer.append_step(0, stats, _exemplars(11), wall_time=1.0)     # a retried step
+    writer.close()
+    got = query.rows(query.connect(), tmp_path / "run", "exemplar_tokens")
+    want = tail_exemplars(make_batch(11), 4)["exemplar_tokens"]["abs_log_ratio"]
+    assert got["step"].tolist() == [0] * 4 and sorted(got["abs_log_ratio"]) == sorted(want)
 
 
 def test_errors_collected_by_close_are_reported(tmp_path, monkeypatch, caplog):
@@ -172,11 +202,13 @@ def test_close_called_on_the_flush_thread_does_not_wait_for_itself(tmp_path):
     stats = compute_stats(make_batch(0))
     writer = RunWriter(tmp_path / "run", flush_every_steps=1, flush_every_seconds=1e9)
 
-    def closing_builder():
-        writer.close()                               # on the flush thread, mid-flush
-        return {}
+    class Closing:
+        @staticmethod
+        def frames_of(items, key="step"):
+            writer.close()                           # on the flush thread, mid-flush
+            return {}
 
-    writer.append_step(0, stats, closing_builder, wall_time=0.0)   # due: flushed in the background
+    writer.append_step(0, stats, Closing(), wall_time=0.0)   # due: flushed in the background
     for _ in range(300):
         if writer.closed:
             break

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
@@ -58,7 +58,15 @@ class IdSource:
 
 # per table: (step or None for rows that carry their own, the append that logged it, frame)
 Buffer = dict[str, list[tuple["int | None", "int | None", pd.DataFrame]]]
-Builder = Callable[[], Mapping[str, pd.DataFrame]]
+_APPEND = "_append"   # temporary column: the append a row of deferred tables belongs to
+
+
+class DeferredTables(Protocol):
+    """Tables built when the writer flushes (off the training thread), many steps at once:
+    ``frames_of([(key, obj), ...], key=name)`` returns table -> frame with a ``name`` column."""
+
+    @staticmethod
+    def frames_of(items: Sequence[tuple[int, Any]], key: str = "step") -> Mapping[str, pd.DataFrame]: ...
 
 
 class FlushError(RuntimeError):
@@ -73,8 +81,8 @@ class _Pending:
     buffer: Buffer = field(default_factory=lambda: {t: [] for t in DATA_TABLES})
     steps: list[dict[str, Any]] = field(default_factory=list)
     appends: list[int] = field(default_factory=list)
-    # (step, append, a function returning tables): built when written, off the training thread
-    deferred: list[tuple[int, int, Builder]] = field(default_factory=list)
+    # (step, append, tables built when written, off the training thread)
+    deferred: list[tuple[int, int, DeferredTables]] = field(default_factory=list)
     errors: list[FlushError] = field(default_factory=list)
 
     def extend(self, later: "_Pending") -> None:
@@ -94,23 +102,35 @@ class _Pending:
         return [row for row, append in zip(self.steps, self.appends) if append in keep], keep
 
     def build_deferred(self) -> None:
-        """Build the deferred tables into the buffer, once: a write that fails and is tried
-        again does not build them twice. A builder that fails loses only its own tables (a bad
-        one must not stop every later flush); its error is kept."""
+        """Build the deferred tables into the buffer, once (a write that fails and is tried
+        again does not build them twice), every step of a kind together. A set that cannot be
+        built loses only its own rows (a bad one must not stop every later flush); its error is
+        kept. Built rows carry their append, so a step logged again later still wins."""
         deferred, self.deferred = self.deferred, []
-        for step, append, make in deferred:
+        kinds: dict[type, list[tuple[int, int, DeferredTables]]] = {}
+        for item in deferred:
+            kinds.setdefault(type(item[2]), []).append(item)
+        for items in kinds.values():
             try:
-                built = [(table, df) for table, df in make().items() if len(df)]
-                if any(table not in self.buffer for table, _ in built):
-                    raise ValueError(f"unknown tables {sorted(t for t, _ in built if t not in self.buffer)}")
-            except Exception as exc:
-                error = FlushError(f"the tables built at flush time for step {step} failed and were left "
-                                   f"out: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                self.errors.append(error)
-                continue
-            for table, df in built:
-                self.buffer[table].append((step, append, df))
+                self._add_built(items)
+            except Exception:
+                for item in items:               # find the set that fails: the others are kept
+                    try:
+                        self._add_built([item])
+                    except Exception as exc:
+                        error = FlushError(f"the tables built at flush time for step {item[0]} failed and "
+                                           f"were left out: {type(exc).__name__}: {exc}")
+                        error.__cause__ = exc
+                        self.errors.append(error)
+
+    def _add_built(self, items: list[tuple[int, int, DeferredTables]]) -> None:
+        built = type(items[0][2]).frames_of([(append, obj) for _, append, obj in items], key=_APPEND)
+        frames = [(table, df) for table, df in built.items() if len(df)]
+        unknown = sorted(t for t, _ in frames if t not in self.buffer)
+        if unknown:
+            raise ValueError(f"unknown tables {unknown}")
+        for table, df in frames:
+            self.buffer[table].append((None, None, df))
 
     def step_range(self) -> str:
         steps = [row["step"] for row in self.steps]
@@ -196,10 +216,10 @@ class RunWriter:
 
     # ------------------------------------------------------------------ appending
     def append_step(self, step: int, stats: MismatchStats | None,
-                    exemplars: Mapping[str, pd.DataFrame] | Callable[[], Mapping[str, pd.DataFrame]] | None = None,
+                    exemplars: Mapping[str, pd.DataFrame] | DeferredTables | None = None,
                     *, wall_time: float | None = None, collector_errors: int = 0) -> None:
         """Buffer one step's statistics (``stats=None`` records a step with no observation).
-        ``exemplars``: their tables, or a function that builds them when the step is written."""
+        ``exemplars``: their tables, or tables to build when the step is written."""
         step = int(step)
         wall = self._clock() if wall_time is None else float(wall_time)
         with self._lock:
@@ -212,20 +232,20 @@ class RunWriter:
                 for table, df in stats.tables.items():
                     if len(df):
                         buffer[table].append((step, append, df))
-            if callable(exemplars):
+            if hasattr(exemplars, "frames_of"):
                 self._pending.deferred.append((step, append, exemplars))
             else:
                 for table, df in (exemplars or {}).items():
                     if len(df):
                         buffer[table].append((step, append, df))
-            tokens = stats.tables["tokens"] if stats is not None else None
-            seqs = stats.tables["sequences"] if stats is not None else None
+            tokens = stats.columns("tokens") if stats is not None else None
+            seqs = stats.columns("sequences") if stats is not None else None
             self._pending.steps.append({
                 "step": step,
                 "wall_time": wall,
-                "n_tokens": int(tokens["n_tokens"].sum()) if tokens is not None else 0,
-                "n_sequences": int(seqs["n_sequences"].sum()) if seqs is not None else 0,
-                "n_cells": len(tokens) if tokens is not None else 0,
+                "n_tokens": int(np.sum(tokens["n_tokens"])) if tokens is not None else 0,
+                "n_sequences": int(np.sum(seqs["n_sequences"])) if seqs is not None else 0,
+                "n_cells": len(stats.tables["tokens"]) if stats is not None else 0,
                 "collector_errors": int(collector_errors),
             })
             self._pending.appends.append(append)
@@ -332,13 +352,25 @@ class RunWriter:
         pending.build_deferred()
         steps, keep = pending.latest()
         write_id = self._ids.next()
+        step_of = {append: row["step"] for row, append in zip(pending.steps, pending.appends)}
         for table in DATA_TABLES:
-            frames = [(s, df) for s, append, df in pending.buffer[table] if append is None or append in keep]
-            if not frames:
+            entries = pending.buffer[table]
+            tagged = [(s, df) for s, append, df in entries if s is not None and append in keep]
+            parts = []
+            if tagged:                    # one frame per step: the step column is added once
+                df = pd.concat([f for _, f in tagged], ignore_index=True) if len(tagged) > 1 else tagged[0][1]
+                parts.append(df.assign(step=np.repeat([s for s, _ in tagged], [len(f) for _, f in tagged])))
+            for s, _, df in entries:
+                if s is not None:
+                    continue
+                if _APPEND in df.columns:  # built at flush time: rows of kept appends, their steps
+                    df = df[df[_APPEND].isin(keep)]
+                    df = df.assign(step=df[_APPEND].map(step_of).astype("int64")).drop(columns=_APPEND)
+                parts.append(df)          # (alert rows carry their own step)
+            parts = [p for p in parts if len(p)]
+            if not parts:
                 continue
-            df = pd.concat([f for _, f in frames], ignore_index=True) if len(frames) > 1 else frames[0][1]
-            if frames[0][0] is not None:  # rows of steps (alert rows carry their own step)
-                df = df.assign(step=np.repeat([s for s, _ in frames], [len(f) for _, f in frames]))
+            df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
             self._write(table, df, write_id)
         self._write(STEPS_TABLE, pd.DataFrame(steps), write_id)   # last: makes the steps visible
         return len(steps)
