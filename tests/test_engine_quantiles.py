@@ -122,3 +122,26 @@ def test_empty_and_all_invalid_slices_have_null_tails():
     assert report.loc["b", QKEYS + ["mismatch/abs_log_ratio/max"]].isna().all()   # all invalid
     assert report.loc["a", QKEYS].notna().all()
     assert report.loc["b", "mismatch/data_quality/nonfinite_tokens"] == 2
+
+
+@given(st.integers(1, 40), st.integers(1, 300), st.integers(0, 2**32 - 1))
+def test_dense_and_sorted_readings_of_histogram_rows_agree(groups, rows, seed):
+    """Few groups read dense per-group histograms, many groups sort the rows: same quantiles."""
+    from mismatch_monitor.engine import histogram
+
+    rng = np.random.default_rng(seed)
+    bins = LogBins.from_config(CONFIG)
+    group = rng.integers(0, groups, rows)
+    b = rng.integers(-bins.overflow_bin, bins.overflow_bin + 1, rows)      # signed bins too
+    counts = rng.integers(1, 1000, rows)
+    exact_max = rng.uniform(0.5, 10.0, groups + 1)                          # one group stays empty
+    qs = tuple(q for _, q in QUANTILES)
+    dense = histogram.quantiles_from_counts(bins, group, b, counts, qs, exact_max=exact_max)
+    saved = histogram._DENSE_MAX
+    histogram._DENSE_MAX = -1
+    try:
+        sorted_ = histogram.quantiles_from_counts(bins, group, b, counts, qs, exact_max=exact_max)
+    finally:
+        histogram._DENSE_MAX = saved
+    np.testing.assert_array_equal(dense, sorted_)
+    assert np.isnan(dense[groups]).all()

@@ -112,6 +112,9 @@ def nearest_rank(q: float, total: np.ndarray) -> np.ndarray:
     return np.maximum(1, num * whole + -((-num * rest) // den))
 
 
+_DENSE_MAX = 1 << 16      # groups x bins up to which quantiles read dense histograms
+
+
 def quantiles_from_counts(
     bins: LogBins,
     group: np.ndarray,
@@ -133,10 +136,21 @@ def quantiles_from_counts(
     out = np.full((G, len(qs)), np.nan)
     if group.size == 0:
         return out
-    order = np.lexsort((bin_index, group))  # by group, then bin
-    g, b, c = group[order], bin_index[order], counts[order]
-    cum = np.cumsum(c)
-    total = np.bincount(g, weights=c, minlength=G).astype(np.int64)
+    lo, hi = int(bin_index.min()), int(bin_index.max())
+    width = hi - lo + 1
+    if G * width <= _DENSE_MAX:
+        # few groups: the groups' dense histograms one after another, by one bincount instead of
+        # a sort (empty bins never hold a quantile: the search below lands on a bin with counts)
+        dense = np.bincount(group * width + (bin_index - lo), weights=counts, minlength=G * width)
+        dense = dense.astype(np.int64)
+        cum = np.cumsum(dense)
+        b = np.tile(np.arange(lo, hi + 1, dtype=np.int64), G)
+        total = dense.reshape(G, width).sum(1)
+    else:
+        order = np.lexsort((bin_index, group))  # by group, then bin
+        g, b, c = group[order], bin_index[order], counts[order]
+        cum = np.cumsum(c)
+        total = np.bincount(g, weights=c, minlength=G).astype(np.int64)
     start = np.concatenate(([0], np.cumsum(total)[:-1]))  # cumulative count before each group
     last = None if exact_max is None else np.asarray(exact_max, dtype=np.float64)
     gi = np.nonzero(total > 0)[0]
