@@ -20,6 +20,7 @@ import pandas as pd
 
 from .config import MetricConfig
 from .engine.fields import merge_rules
+from .engine.stats import merge_column, merge_total
 from .engine.histogram import QUANTILES, LogBins, quantiles_from_counts
 
 Unit = Literal["nats", "ratio", "tokens", "sequences", "steps", "log_ratio", ""]
@@ -292,22 +293,16 @@ def _label_codes(cols: Mapping[str, object], n: int, dim: str, index: dict[str |
 
 def _grouped(cols: Mapping[str, object], table: str, codes: np.ndarray, G: int) -> dict[str, np.ndarray]:
     """Merged columns of ``table`` per group code (rows with code -1 are in no group), followed
-    by one more entry merging every row: [G + 1] each, merged by the column's rule. Column by
-    column: a product with a one-hot matrix would spread one group's inf to every other (0 * inf)."""
+    by one more entry merging every row: [G + 1] each, merged by the column's rule (the engine's
+    own merge, column by column)."""
     keep = codes >= 0
     kept = codes[keep]
     out: dict[str, np.ndarray] = {}
     for col, rule in merge_rules(table).items():
-        values = np.asarray(cols[col], dtype=np.float64)
+        values = np.asarray(cols[col])
         acc = np.empty(G + 1)
-        if rule == "sum":
-            acc[:G] = np.bincount(kept, weights=values[keep], minlength=G)
-            acc[G] = values.sum()
-        else:
-            how = np.fmax if rule == "max" else np.fmin
-            acc[:G] = np.nan
-            how.at(acc, kept, values[keep])
-            acc[G] = how.reduce(values) if len(values) else np.nan
+        acc[:G] = merge_column(values[keep], rule, kept, G)
+        acc[G] = merge_total(values, rule)[0]
         out[col] = acc
     return out
 

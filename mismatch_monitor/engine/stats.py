@@ -40,6 +40,11 @@ class MismatchStats:
     def __getitem__(self, table: str) -> pd.DataFrame:
         return self.tables[table]
 
+    def column(self, table: str, name: str) -> np.ndarray:
+        """One value column as a numpy array (the cached array when there is one)."""
+        cached = self.arrays.get(table)
+        return np.asarray(cached[name]) if cached is not None else self.tables[table][name].to_numpy()
+
     def columns(self, table: str) -> Mapping[str, object]:
         """Column name -> array of one table (numpy, or a pandas extension array for labels)."""
         cached = self.arrays.get(table)
@@ -94,7 +99,7 @@ def _group(df: pd.DataFrame, table: str, by: list[str]) -> pd.DataFrame:
         # a grand total: one row, or none when nothing was observed
         if len(df) == 0:
             return df[list(rules)].iloc[0:0].reset_index(drop=True)
-        return pd.DataFrame({c: _total(df[c].to_numpy(), r) for c, r in rules.items()})
+        return pd.DataFrame({c: merge_total(df[c].to_numpy(), r) for c, r in rules.items()})
     return aggregate(df, group_keys, rules)
 
 
@@ -113,25 +118,31 @@ def aggregate(df: pd.DataFrame, keys: list[str], rules: dict[str, str]) -> pd.Da
     # build every column first and the frame once: setting columns one by one costs more
     data: dict[str, object] = {k: df[k].array.take(first) for k in keys}
     for col, rule in rules.items():
-        values = df[col].to_numpy()
-        if rule == "sum":
-            if values.dtype.kind in "iu":
-                summed = np.zeros(G, dtype=np.int64)
-                np.add.at(summed, inverse, values)
-            else:
-                summed = np.bincount(inverse, weights=values, minlength=G).astype(values.dtype)
-            data[col] = summed
-        else:
-            acc = np.full(G, np.nan)
-            (np.fmax if rule == "max" else np.fmin).at(acc, inverse, values.astype(np.float64))
-            data[col] = acc.astype(values.dtype) if values.dtype.kind in "iu" else acc
+        data[col] = merge_column(df[col].to_numpy(), rule, inverse, G)
     return pd.DataFrame(data)
 
 
-def _total(values: np.ndarray, rule: str) -> np.ndarray:
-    """One-element merge of a whole column (NaN extremes are skipped; all NaN stays NaN)."""
+def merge_column(values: np.ndarray, rule: str, group: np.ndarray, G: int) -> np.ndarray:
+    """One value column merged by its rule into groups 0..G-1 (``group`` [n]): integer sums
+    stay exact, NaN extremes are skipped, a group without a value is NaN for max/min."""
+    if rule == "sum":
+        if values.dtype.kind in "iu":
+            summed = np.zeros(G, dtype=np.int64)
+            np.add.at(summed, group, values)
+            return summed
+        return np.bincount(group, weights=values, minlength=G).astype(values.dtype)
+    acc = np.full(G, np.nan)
+    (np.fmax if rule == "max" else np.fmin).at(acc, group, values.astype(np.float64))
+    return acc.astype(values.dtype) if values.dtype.kind in "iu" else acc
+
+
+def merge_total(values: np.ndarray, rule: str) -> np.ndarray:
+    """One-element merge of a whole column (NaN extremes are skipped; all NaN or no value at all
+    stays NaN)."""
     if rule == "sum":
         return np.array([values.sum()], dtype=values.dtype)
+    if len(values) == 0:
+        return np.array([np.nan])
     ext = (np.fmax if rule == "max" else np.fmin).reduce(values.astype(np.float64))
     return np.array([ext]).astype(values.dtype) if values.dtype.kind in "iu" else np.array([ext])
 

@@ -238,13 +238,11 @@ class RunWriter:
                 for table, df in (exemplars or {}).items():
                     if len(df):
                         buffer[table].append((step, append, df))
-            tokens = stats.columns("tokens") if stats is not None else None
-            seqs = stats.columns("sequences") if stats is not None else None
             self._pending.steps.append({
                 "step": step,
                 "wall_time": wall,
-                "n_tokens": int(np.sum(tokens["n_tokens"])) if tokens is not None else 0,
-                "n_sequences": int(np.sum(seqs["n_sequences"])) if seqs is not None else 0,
+                "n_tokens": int(stats.column("tokens", "n_tokens").sum()) if stats is not None else 0,
+                "n_sequences": int(stats.column("sequences", "n_sequences").sum()) if stats is not None else 0,
                 "n_cells": len(stats.tables["tokens"]) if stats is not None else 0,
                 "collector_errors": int(collector_errors),
             })
