@@ -45,12 +45,15 @@ HEATMAP_COLUMNS = 240  # step bins of the |log ρ| histogram heatmap (bins x ste
 
 @dataclass(frozen=True)
 class Span:
-    """The visible steps [first, last] of a run, shown in bins of ``width`` steps."""
+    """The visible steps [first, last] of a run, shown in bins of ``width`` steps from ``origin``
+    (bins start at origin + k * width; origin <= first, so that wide bins fall on the store's
+    rollup blocks: see ``query.aligned_bins``)."""
 
     first: int
     last: int
     width: int
     n_steps: int      # visible steps in [first, last] (the index may have gaps)
+    origin: int
 
     @property
     def steps(self) -> tuple[int, int]:
@@ -64,7 +67,8 @@ def span_of(index: pd.DataFrame, window: int | None, max_points: int) -> Span | 
     last = int(index["step"].max())
     first = int(index["step"].min()) if window is None else max(int(index["step"].min()), last - int(window) + 1)
     n = int(((index["step"] >= first) & (index["step"] <= last)).sum())
-    return Span(first, last, query.step_width(first, last, max_points), n)
+    origin, width = query.aligned_bins(first, last, query.step_width(first, last, max_points), max_points)
+    return Span(first, last, width, n, origin)
 
 
 def _pool_filter(pool: str | None) -> dict[str, str] | None:
@@ -101,7 +105,7 @@ def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) ->
                                                metrics=HEADLINE, steps=recent)
     out["recent_pools"] = query.metric_series_binned(con, run_dir, ["pool"], first=recent[0], width=1,
                                                      metrics=HEADLINE, steps=recent)
-    out["history"] = query.metric_series_binned(con, run_dir, [], first=span.first, width=span.width,
+    out["history"] = query.metric_series_binned(con, run_dir, [], first=span.origin, width=span.width,
                                                 metrics=HEADLINE, steps=span.steps)
     return out
 
@@ -112,9 +116,10 @@ def pools(con: Con, run_dir: Path, *, window: int | None, max_points: int,
     out["info"] = read_run_info(run_dir)
     if span is None:
         return out
-    out["series"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.first, width=span.width,
-                                               metrics=metrics, steps=span.steps)
-    out["shares"] = query.pool_shares(con, run_dir, steps=span.steps)
+    sums = query.binned_sums(con, run_dir, ["pool"], first=span.origin, width=span.width, metrics=metrics,
+                             steps=span.steps)
+    out["series"] = query.derive_sums(sums, ["pool"], metrics=metrics, config=query.run_config(run_dir))
+    out["shares"] = query.pool_shares(con, run_dir, steps=span.steps, tokens=sums["tokens"])
     return out
 
 
@@ -122,9 +127,11 @@ def tails(con: Con, run_dir: Path, *, window: int | None, max_points: int, pool:
     out, span = _start(con, run_dir, window, max_points)
     if span is None:
         return out
-    kw: dict[str, Any] = dict(first=span.first, width=span.width, steps=span.steps)
-    out["hist_width"] = max(span.width, query.step_width(span.first, span.last, HEATMAP_COLUMNS))
-    out["hist"] = query.aggregate_binned(con, run_dir, "abs_hist", [], first=span.first, width=out["hist_width"],
+    kw: dict[str, Any] = dict(first=span.origin, width=span.width, steps=span.steps)
+    hist_first, out["hist_width"] = query.aligned_bins(
+        span.first, span.last, max(span.width, query.step_width(span.first, span.last, HEATMAP_COLUMNS)),
+        HEATMAP_COLUMNS)
+    out["hist"] = query.aggregate_binned(con, run_dir, "abs_hist", [], first=hist_first, width=out["hist_width"],
                                          steps=span.steps, where=_pool_filter(pool))
     out["config"] = query.run_config(run_dir)
     out["bands"] = query.metric_series_binned(con, run_dir, ["pool"], metrics=BANDS + DRIFT, **kw)
@@ -135,9 +142,9 @@ def lowprob(con: Con, run_dir: Path, *, window: int | None, max_points: int, poo
     out, span = _start(con, run_dir, window, max_points)
     if span is None:
         return out
-    kw: dict[str, Any] = dict(first=span.first, steps=span.steps, where=_pool_filter(pool))
-    out["buckets"] = query.lowprob_series(con, run_dir, [], width=span.width, **kw)
-    totals = query.lowprob_series(con, run_dir, [], width=span.last - span.first + 1, **kw)
+    kw: dict[str, Any] = dict(steps=span.steps, where=_pool_filter(pool))
+    out["buckets"] = query.lowprob_series(con, run_dir, [], first=span.origin, width=span.width, **kw)
+    totals = query.lowprob_series(con, run_dir, [], first=span.first, width=span.last - span.first + 1, **kw)
     out["totals"] = totals.assign(share=totals["n_tokens"] / totals["n_tokens"].sum())
     out["config"] = query.run_config(run_dir)
     return out
@@ -148,11 +155,11 @@ def length_turn(con: Con, run_dir: Path, *, window: int | None, max_points: int,
     out, span = _start(con, run_dir, window, max_points)
     if span is None:
         return out
-    kw: dict[str, Any] = dict(first=span.first, width=span.width, steps=span.steps, metrics=[metric])
+    kw: dict[str, Any] = dict(first=span.origin, width=span.width, steps=span.steps, metrics=[metric])
     where = _pool_filter(pool)
     out["length"] = query.metric_series_binned(con, run_dir, ["length_bucket"], where=where, **kw)
     out["turn"] = query.metric_series_binned(con, run_dir, ["turn_bucket"], where=where, **kw)
-    cross = query.metric_series_binned(con, run_dir, ["pool"], first=span.first, width=span.width,
+    cross = query.metric_series_binned(con, run_dir, ["pool"], first=span.origin, width=span.width,
                                        steps=span.steps, metrics=[MEAN_ABS])
     cap = query.run_config(run_dir).tis_cap
     cross["crossing_length"] = query.crossing_length(cross[MEAN_ABS], cap)
@@ -166,7 +173,7 @@ def routing(con: Con, run_dir: Path, *, window: int | None, max_points: int, poo
     out, span = _start(con, run_dir, window, max_points)
     if span is None:
         return out
-    kw: dict[str, Any] = dict(first=span.first, width=span.width, steps=span.steps)
+    kw: dict[str, Any] = dict(first=span.origin, width=span.width, steps=span.steps)
     out["layers"] = query.routing_layer_series(con, run_dir, [], where=_pool_filter(pool), **kw)
     out["pools"] = query.metric_series_binned(con, run_dir, ["pool"], metrics=[FLIPS, ANY_FLIP], **kw)
     return out
@@ -176,7 +183,7 @@ def corrections(con: Con, run_dir: Path, *, window: int | None, max_points: int)
     out, span = _start(con, run_dir, window, max_points)
     if span is None:
         return out
-    out["series"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.first, width=span.width,
+    out["series"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.origin, width=span.width,
                                                steps=span.steps, metrics=CORRECTIONS)
     out["totals"] = query.metric_totals(con, run_dir, ["pool"], metrics=CORRECTIONS, steps=span.steps)
     out["config"] = query.run_config(run_dir)
@@ -192,7 +199,7 @@ def alerts(con: Con, run_dir: Path, *, window: int | None, max_points: int,
     out["resyncs"] = events[(events["state"] == "firing") & events["resync"].fillna(False).astype(bool)]
     if span is None or metric is None:
         return out
-    kw: dict[str, Any] = dict(first=span.first, width=span.width, steps=span.steps, metrics=[metric])
+    kw: dict[str, Any] = dict(first=span.origin, width=span.width, steps=span.steps, metrics=[metric])
     out["series"] = query.metric_series_binned(con, run_dir, ["pool"], **kw)
     return out
 
@@ -210,7 +217,7 @@ def compare(con: Con, run_dir: Path, *, window: int | None, max_points: int, oth
                                       steps_b=None if span_b is None else span_b.steps)
     for key, run, span in (("series_a", run_dir, span_a), ("series_b", other, span_b)):
         if span is not None:
-            out[key] = query.metric_series_binned(con, run, [], first=span.first, width=span.width,
+            out[key] = query.metric_series_binned(con, run, [], first=span.origin, width=span.width,
                                                   steps=span.steps, metrics=[metric])
     out["configs_differ"] = query.run_config(run_dir) != query.run_config(other)
     return out

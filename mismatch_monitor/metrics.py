@@ -173,6 +173,21 @@ def _columns(frame: pd.DataFrame) -> dict[str, np.ndarray]:
     return {c: frame[c].to_numpy() for c in frame.columns}
 
 
+def _shared_codes(a: pd.Series, b: pd.Series) -> tuple[np.ndarray, int]:
+    """Codes of ``a`` then ``b`` (equal values, nulls included, share a code) and their count.
+    A categorical ``b`` (a long histogram) is coded through its categories, not row by row."""
+    if isinstance(b.dtype, pd.CategoricalDtype) and not isinstance(a.dtype, pd.CategoricalDtype):
+        a_codes, uniques = pd.factorize(a, use_na_sentinel=False)
+        lookup = pd.Index(uniques).get_indexer(b.cat.categories)        # -1: not among a's values
+        nulls = np.flatnonzero(pd.isna(uniques))
+        b_codes = b.cat.codes.to_numpy()
+        mapped = np.where(b_codes >= 0, lookup[np.maximum(b_codes, 0)], nulls[0] if len(nulls) else -1)
+        radix = len(uniques) + 1
+        return np.concatenate([a_codes, np.where(mapped >= 0, mapped, radix - 1)]), radix
+    codes, uniques = pd.factorize(pd.concat([a, b], ignore_index=True), use_na_sentinel=False)
+    return codes, len(uniques)
+
+
 def _row_of(keys: pd.DataFrame, other: pd.DataFrame, by: list[str]) -> np.ndarray:
     """For each row of ``other``, the row of ``keys`` with the same ``by`` values (-1: none).
     ``keys`` rows are distinct; nulls match nulls (as in the SQL layer's GROUP BY)."""
@@ -181,9 +196,8 @@ def _row_of(keys: pd.DataFrame, other: pd.DataFrame, by: list[str]) -> np.ndarra
         return np.zeros(len(other), dtype=np.int64) if n else np.full(len(other), -1)
     code = np.zeros(n + len(other), dtype=np.int64)
     for k in by:  # loop over key columns, not rows
-        both = pd.concat([keys[k], other[k]], ignore_index=True)
-        col_codes, uniques = pd.factorize(both, use_na_sentinel=False)
-        code = pd.factorize(code * len(uniques) + col_codes)[0]
+        col_codes, radix = _shared_codes(keys[k], other[k])
+        code = pd.factorize(code * radix + col_codes)[0]
     position = np.full(int(code.max()) + 1, -1)
     position[code[:n]] = np.arange(n)
     return position[code[n:]]

@@ -10,16 +10,18 @@ Identifiers (group-by columns) are checked against the known key columns; every 
 ``core`` holds the readers every part uses; ``views`` what the dashboard reads beyond them.
 """
 
-from .core import (aggregate, connect, copy_current, histogram, latest, metric_series, metric_series_runs,
+from .core import (aggregate, connect, copy_current, forget_files, histogram, latest, metric_series, metric_series_runs,
                    rows, run_config, steps_index, table_files, token_cell_table)
 from .core import _retry  # noqa: F401  (compaction documents the retry it relies on)
-from .views import (ALERT_COLUMNS, aggregate_binned, alert_events, compare_runs, crossing_length,
-                    distinct_values, exemplar_steps, firing_alerts, lowprob_series, metric_series_binned,
+from .rollup import aligned_bins
+from .views import (ALERT_COLUMNS, aggregate_binned, alert_events, binned_sums, compare_runs, crossing_length,
+                    derive_sums, distinct_values, exemplar_steps, firing_alerts, lowprob_series, metric_series_binned,
                     metric_totals, pool_shares, routing_layer_series, step_width)
 from .views import _current_sources  # noqa: F401  (tested directly)
 
-__all__ = ["connect", "table_files", "run_config", "steps_index", "aggregate", "metric_series", "latest",
-           "metric_series_runs", "histogram", "rows", "copy_current", "token_cell_table", "ALERT_COLUMNS",
-           "step_width", "aggregate_binned", "metric_series_binned", "metric_totals", "pool_shares",
+__all__ = ["connect", "forget_files", "table_files", "run_config", "steps_index", "aggregate", "metric_series",
+           "latest", "metric_series_runs", "histogram", "rows", "copy_current", "token_cell_table", "ALERT_COLUMNS",
+           "step_width", "aligned_bins", "aggregate_binned", "binned_sums", "derive_sums", "metric_series_binned",
+           "metric_totals", "pool_shares",
            "lowprob_series", "routing_layer_series", "crossing_length", "alert_events", "firing_alerts",
            "exemplar_steps", "compare_runs", "distinct_values"]

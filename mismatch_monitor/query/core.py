@@ -12,7 +12,9 @@ known key columns before they reach SQL; every value is bound.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
@@ -68,9 +70,13 @@ def _retry(fn: Callable[[], T], attempts: int = 4) -> T:
     raise AssertionError("unreachable")
 
 
+# The one rule for which index row of a step is current: the latest flush (write_id), then the
+# latest file set (file_id: a compaction's copy).
+CURRENT = "QUALIFY row_number() OVER (PARTITION BY step ORDER BY write_id DESC, file_id DESC) = 1"
+
+
 def _index_cte() -> str:
-    return ("idx AS (SELECT step, file_id, wall_time FROM read_parquet($steps, union_by_name=true) "
-            "QUALIFY row_number() OVER (PARTITION BY step ORDER BY write_id DESC, file_id DESC) = 1)")
+    return f"idx AS (SELECT step, file_id, wall_time FROM read_parquet($steps, union_by_name=true) {CURRENT})"
 
 
 def _step_filter(steps: StepRange, params: dict[str, Any], alias: str = "t") -> list[str]:
@@ -104,11 +110,54 @@ def _merged_columns(rules: Mapping[str, str], available: set[str]) -> list[str]:
             for col, rule in rules.items()]
 
 
+# A committed file never changes (written under a temporary name, renamed into place; a
+# compaction writes new names), so what is read from a given list of files can be kept.
+_MEMO: OrderedDict[tuple[str, tuple[str, ...]], Any] = OrderedDict()
+_MEMO_LOCK = threading.Lock()
+_MEMO_SIZE = 64
+
+
+def _memo(kind: str, files: Sequence[str], compute: Callable[[], T]) -> T:
+    key = (kind, tuple(files))
+    with _MEMO_LOCK:
+        if key in _MEMO:
+            _MEMO.move_to_end(key)
+            return _MEMO[key]
+    value = compute()
+    with _MEMO_LOCK:
+        _MEMO[key] = value
+        while len(_MEMO) > _MEMO_SIZE:
+            _MEMO.popitem(last=False)
+    return value
+
+
+def forget_files() -> None:
+    """Drop what was kept from read files (for timing cold reads)."""
+    with _MEMO_LOCK:
+        _MEMO.clear()
+
+
+def file_columns(con: duckdb.DuckDBPyConnection, files: Sequence[str]) -> frozenset[str]:
+    """Column names over ``files`` (read once per list of files)."""
+    sql = "DESCRIBE SELECT * FROM read_parquet($f, union_by_name=true)"
+    return _memo("columns", files, lambda: frozenset(r[0] for r in con.execute(sql, {"f": list(files)}).fetchall()))
+
+
+def raw_index(con: duckdb.DuckDBPyConnection, step_files: Sequence[str]) -> pd.DataFrame:
+    """Every row of the index files, superseded ones included."""
+    sql = "SELECT * FROM read_parquet($steps, union_by_name=true)"
+    return _memo("index", step_files, lambda: con.execute(sql, {"steps": list(step_files)}).df())
+
+
+def current_index(con: duckdb.DuckDBPyConnection, step_files: Sequence[str]) -> pd.DataFrame:
+    """The current row of each step in the index files (``CURRENT``), in step order."""
+    sql = f"SELECT * FROM read_parquet($steps, union_by_name=true) {CURRENT} ORDER BY step"
+    return _memo("current", step_files, lambda: con.execute(sql, {"steps": list(step_files)}).df())
+
+
 def _columns(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str) -> set[str]:
     """Column names over a table's current files (listed afresh when a compaction removed one)."""
-    sql = "DESCRIBE SELECT * FROM read_parquet($f, union_by_name=true)"
-    rel = _retry(lambda: con.execute(sql, {"f": table_files(run_dir, table)}).fetchall())
-    return {row[0] for row in rel}
+    return set(_retry(lambda: file_columns(con, table_files(run_dir, table))))
 
 
 def _check_keys(by: Sequence[str], available: set[str], table: str) -> None:
@@ -125,11 +174,8 @@ def steps_index(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame
         return pd.DataFrame({c: pd.Series([], dtype=t) for c, t in (
             ("step", "int64"), ("wall_time", "float64"), ("n_tokens", "int64"), ("n_sequences", "int64"),
             ("n_cells", "int64"), ("collector_errors", "int64"))})
-    sql = ("SELECT step, wall_time, n_tokens, n_sequences, n_cells, collector_errors "
-           "FROM read_parquet($steps, union_by_name=true) "
-           "QUALIFY row_number() OVER (PARTITION BY step ORDER BY write_id DESC, file_id DESC) = 1 "
-           "ORDER BY step")
-    return _retry(lambda: con.execute(sql, {"steps": table_files(run_dir, STEPS_TABLE)}).df())
+    cols = ["step", "wall_time", "n_tokens", "n_sequences", "n_cells", "collector_errors"]
+    return _retry(lambda: current_index(con, table_files(run_dir, STEPS_TABLE))[cols].copy())
 
 
 def aggregate(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, by: Sequence[str] = (), *,
@@ -268,9 +314,7 @@ def copy_current(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, fi
                  step_files: list[str]) -> pd.DataFrame:
     """The current rows of ``table`` among ``files`` (as resolved by ``step_files``), all columns."""
     if table == STEPS_TABLE:
-        sql = ("SELECT * FROM read_parquet($files, union_by_name=true) "
-               "QUALIFY row_number() OVER (PARTITION BY step ORDER BY write_id DESC, file_id DESC) = 1 "
-               "ORDER BY step")
+        sql = f"SELECT * FROM read_parquet($files, union_by_name=true) {CURRENT} ORDER BY step"
         return con.execute(sql, {"files": files}).df()
     sql = (f"WITH {_index_cte()} SELECT t.* FROM read_parquet($files, union_by_name=true) t "
            "SEMI JOIN idx USING (step, file_id) ORDER BY t.step")

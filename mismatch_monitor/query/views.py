@@ -9,18 +9,22 @@ value is bound.
 from __future__ import annotations
 
 import math
-from pathlib import Path
+import re
 from typing import Any, Mapping, Sequence
 
 import duckdb
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
+from ..config import MetricConfig
 from ..engine.fields import TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
 from ..store.schema import STEPS_TABLE
-from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _label_filter, _merged_columns, _retry,
-                   _step_filter, current_files, metric_series, rows, run_config, steps_index, table_files)
+from . import rollup
+from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _label_filter, _retry, _step_filter,
+                   current_files, current_index, file_columns, metric_series, raw_index, rows, run_config,
+                   steps_index, table_files)
 
 
 ALERT_COLUMNS: tuple[str, ...] = ("step", "wall_time", "alert", "severity", "pool", "state", "value",
@@ -35,39 +39,76 @@ def step_width(first: int, last: int, max_points: int) -> int:
     return max(1, -(-span // max_points))
 
 
-def _current_sources(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str) -> tuple[list[str], list[str], bool]:
-    """(data files, index files, exact) for reading the current rows of ``table``.
+def _current_sources(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str,
+                     steps: tuple[int, int | None] | None = None) -> tuple[list[str], list[str], bool]:
+    """(data files, index files, exact) for reading the current rows of ``table`` [in ``steps``].
 
-    ``exact``: no step is listed twice in the index (no re-logged step, no compaction in
-    progress), so the current rows are exactly the rows of the data files whose file_id the index
-    names (a file's name carries its file_id) and the per-row join with the index can be skipped.
-    Otherwise every data file is returned and the caller joins.
+    Only the data files that hold a current step (in ``steps``) are returned: the index names
+    each step's file (a file's name carries its file_id). ``exact``: no step is listed twice in
+    the index (no re-logged step, no compaction in progress), so the current rows are exactly the
+    rows of those files and the per-row join with the index can be skipped; otherwise the caller
+    joins.
     """
     listed = current_files(run_dir, table)             # index first: see current_files
     files, step_files = listed["files"], listed["steps"]
     if not files or not step_files:
         return files, step_files, False
-    unique, ids = con.execute("SELECT count(*) = count(DISTINCT step), list(DISTINCT file_id) "
-                              "FROM read_parquet($steps, union_by_name=true)", {"steps": step_files}).fetchone()
-    named = {}
-    for f in files:
-        stem = Path(f).stem
-        if not stem.startswith("part-") or not stem[5:].isdigit():
-            return files, step_files, False
-        named[f] = int(stem[5:])
-    if not unique:
+    named = {f: rollup.file_id_of(f) for f in files}
+    if any(i is None for i in named.values()):
         return files, step_files, False
-    current = set(ids)
-    return [f for f in files if named[f] in current], step_files, True
+    index = raw_index(con, step_files)
+    current = current_index(con, step_files)
+    c_step, c_fid = current["step"].to_numpy(), current["file_id"].to_numpy()
+    if steps is not None:
+        keep = c_step >= steps[0] if steps[1] is None else (c_step >= steps[0]) & (c_step <= steps[1])
+        c_fid = c_fid[keep]
+    ids = set(c_fid.tolist())
+    exact = not index["step"].duplicated().any()
+    return [f for f in files if named[f] in ids], step_files, exact
+
+
+def _categorical_keys(table: pa.Table) -> pd.DataFrame:
+    """A frame whose string columns are categorical: a histogram repeats each label hundreds of
+    times, and building one Python string per row would cost more than the query."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
+            table = table.set_column(i, f.name, table.column(i).dictionary_encode())
+        elif pa.types.is_decimal(f.type):     # DuckDB sums integers as HUGEINT; .df() gives float64
+            table = table.set_column(i, f.name, table.column(i).cast(pa.float64()))
+    return table.to_pandas()
+
+
+def _raw_columns(rules: Mapping[str, str], available: set[str]) -> list[str]:
+    """Each value column as it is (NULL for a column no file has yet)."""
+    return [f't."{col}"' if col in available else f'NULL AS "{col}"' for col in rules]
+
+
+def _rollup_plan(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, dims: Sequence[str], first: int,
+                 width: int, steps: StepRange, step_files: list[str]) -> tuple[rollup.Plan, list[str], set[str]] | None:
+    """The rollups a binned read can use (``rollup.plan``), their files and columns; None if none."""
+    rfiles = table_files(run_dir, rollup.rollup_name(table))        # listed after the index
+    rolled = {i for i in map(rollup.file_id_of, rfiles) if i is not None}
+    if not rolled or rollup.choose(table, dims) is None:
+        return None
+    lo, hi = steps if steps is not None else (None, None)
+    plan = rollup.plan(raw_index(con, step_files), current_index(con, step_files), rolled, table, dims,
+                       first=first, width=width, lo=lo, hi=hi)
+    if plan is None:
+        return None
+    return plan, rfiles, set(file_columns(con, rfiles))
 
 
 def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, by: Sequence[str] = (),
                      *, first: int, width: int, steps: StepRange = None,
-                     where: Mapping[str, str] | None = None) -> pd.DataFrame:
+                     where: Mapping[str, str] | None = None, times: bool = True) -> pd.DataFrame:
     """Like :func:`aggregate` per step, with steps merged into bins of ``width`` starting at ``first``.
 
     Columns: step (first step of the bin), step_last (last visible step in it), wall_time (of
     step_last), *by, the table's extra keys, the merged fields. ``width=1`` is per step.
+    ``times=False`` leaves out step_last and wall_time.
+
+    Whole blocks of steps are read from the store's rollups where that is exact
+    (``rollup.plan``), the rest from cells; both give the same merged values.
     """
     if table not in TABLES:
         raise ValueError(f"unknown table {table!r}; expected one of {sorted(TABLES)}")
@@ -76,7 +117,7 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
     by = list(by)
     extra = list(TABLES[table][0])
     rules = merge_rules(table)
-    out_cols = ["step", "step_last", "wall_time"] + by + extra + list(rules)
+    out_cols = ["step"] + (["step_last", "wall_time"] if times else []) + by + extra + list(rules)
     files = table_files(run_dir, table)
     if not files or not table_files(run_dir, STEPS_TABLE):
         return pd.DataFrame({c: [] for c in out_cols})
@@ -85,46 +126,110 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
     params: dict[str, Any] = {"first": int(first), "width": int(width)}
     clauses = ["t.step >= $first"] + _step_filter(steps, params) + _label_filter(where, params)
     keys = [f'"{c}"' for c in by + extra]
-    aggs = _merged_columns(rules, available)
-    inner = (["$first + (t.step - $first) // $width * $width AS step", "max(t.step) AS step_last"]
+    aggs = [f'{rule}(t."{col}") AS "{col}"' for col, rule in rules.items()]
+    inner = (["$first + (t.s - $first) // $width * $width AS step", "max(t.step_last) AS step_last"]
              + [f"t.{k}" for k in keys] + aggs)
     outer = ["agg.step", "agg.step_last", "idx.wall_time"] + [f"agg.{k}" for k in keys] + [
         f'agg."{c}"' for c in rules]
     order = ", ".join(["agg.step"] + [f"agg.{k}" for k in keys])
 
-    def run() -> pd.DataFrame:
-        files, step_files, exact = _current_sources(con, run_dir, table)
+    def cells(exact: bool, only: str = "") -> str:
+        """Rows of the cell files $files (current rows only: joined with the index unless exact)."""
         source = "read_parquet($files, union_by_name=true) t" + (
             "" if exact else " SEMI JOIN idx USING (step, file_id)")
-        sql = (f"WITH {_index_cte()}, agg AS (SELECT {', '.join(inner)} FROM {source} "
-               f"WHERE {' AND '.join(clauses)} GROUP BY ALL) "
-               f"SELECT {', '.join(outer)} FROM agg LEFT JOIN idx ON idx.step = agg.step_last ORDER BY {order}")
-        return con.execute(sql, dict(params, files=files, steps=step_files)).df()
+        select = ["t.step AS s", "t.step AS step_last"] + [f"t.{k}" for k in keys] + _raw_columns(rules, available)
+        return f"SELECT {', '.join(select)} FROM {source}{only} WHERE {' AND '.join(clauses)}"
+
+    def run() -> pd.DataFrame:
+        lo = int(first) if steps is None or steps[0] is None else max(int(first), int(steps[0]))
+        files, step_files, exact = _current_sources(con, run_dir, table, (lo, None if steps is None else steps[1]))
+        p = dict(params)
+        ctes = {"idx": "SELECT * FROM idx_now"}
+        use = _rollup_plan(con, run_dir, table, by + list((where or {}).keys()), first, width, steps, step_files)
+        if use is None:                       # every row from cells
+            if not files:
+                return pd.DataFrame({c: [] for c in out_cols})
+            ctes["src"] = cells(exact)
+            p["files"] = files
+        else:                                 # whole blocks from rollups, the other steps from cells
+            plan, rfiles, r_available = use
+            ctes["ok"] = "SELECT unnest($ok_f) AS file_id, unnest($ok_b) AS block"
+            select = ["t.block AS s", "t.step_last"] + [f"t.{k}" for k in keys] + _raw_columns(rules, r_available)
+            ctes["src"] = (f"SELECT {', '.join(select)} FROM read_parquet($rfiles, union_by_name=true) t "
+                           "SEMI JOIN ok USING (file_id, block) WHERE "
+                           + " AND ".join(["t.grouping = $grouping"] + _label_filter(where, p)))
+            p.update(rfiles=rfiles, grouping=plan.grouping, ok_f=plan.file_ids, ok_b=plan.blocks)
+            if plan.cell_steps:
+                ctes["todo"] = "SELECT unnest($todo) AS step"
+                ctes["src"] = cells(False, " SEMI JOIN todo USING (step)") + " UNION ALL " + ctes["src"]
+                wanted = set(plan.cell_file_ids)
+                p.update(files=[f for f in table_files(run_dir, table) if rollup.file_id_of(f) in wanted],
+                         todo=plan.cell_steps)
+        ctes["src"] = ctes.pop("src")         # last: it reads the others
+        with_sql = "WITH " + ", ".join(f"{name} AS ({body})" for name, body in ctes.items())
+        if times:
+            sql = (f"{with_sql}, agg AS (SELECT {', '.join(inner)} FROM src t GROUP BY ALL) "
+                   f"SELECT {', '.join(outer)} FROM agg LEFT JOIN idx ON idx.step = agg.step_last ORDER BY {order}")
+        else:
+            sql = (f"{with_sql} SELECT {', '.join(inner[:1] + inner[2:])} FROM src t GROUP BY ALL "
+                   f"ORDER BY {order.replace('agg.', '')}")
+        used = set(re.findall(r"\$(\w+)", sql))
+        bound = {k: v for k, v in p.items() if k in used}
+        # the current index, read once per list of index files (``current_index``)
+        con.register("idx_now", current_index(con, step_files)[["step", "file_id", "wall_time"]])
+        try:
+            if times:
+                return con.execute(sql, bound).df()
+            return _categorical_keys(con.sql(sql, params=bound).to_arrow_table())
+        finally:
+            con.unregister("idx_now")
 
     return _retry(run)[out_cols]
+
+
+def _wanted(metrics: Sequence[str] | None) -> list[str]:
+    wanted = list(metrics) if metrics is not None else list(METRIC_BY_KEY)
+    unknown = [m for m in wanted if m not in METRIC_BY_KEY]
+    if unknown:
+        raise ValueError(f"unknown metrics {unknown}; expected keys of mismatch_monitor.metrics.METRICS")
+    return wanted
+
+
+def binned_sums(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
+                first: int, width: int, metrics: Sequence[str] | None = None, steps: StepRange = None,
+                where: Mapping[str, str] | None = None) -> dict[str, pd.DataFrame | None]:
+    """The merged tables ``metrics`` are derived from, per step bin and group: ``tokens`` (with
+    step_last and wall_time), ``sequences`` and ``abs_hist`` (None where no metric needs them)."""
+    by = list(by)
+    tables = {METRIC_BY_KEY[m].table for m in _wanted(metrics)}
+    kw: dict[str, Any] = dict(first=first, width=width, steps=steps, where=where)
+    out: dict[str, pd.DataFrame | None] = {"tokens": aggregate_binned(con, run_dir, "tokens", by, **kw),
+                                           "sequences": None, "abs_hist": None}
+    if "sequences" in tables and TURN_KEY not in by:
+        out["sequences"] = aggregate_binned(con, run_dir, "sequences", by, times=False, **kw)
+    if "abs_hist" in tables:
+        out["abs_hist"] = aggregate_binned(con, run_dir, "abs_hist", by, times=False, **kw)
+    return out
+
+
+def derive_sums(sums: Mapping[str, pd.DataFrame | None], by: Sequence[str], *, metrics: Sequence[str] | None,
+                config: MetricConfig) -> pd.DataFrame:
+    """Metric values of :func:`binned_sums`: columns step, step_last, wall_time, *by, metric keys."""
+    by = list(by)
+    wanted = set(_wanted(metrics))
+    tokens = sums["tokens"]
+    out = derive(tokens, sums["sequences"], sums["abs_hist"], by=["step"] + by, config=config)
+    out.insert(1, "step_last", tokens["step_last"].to_numpy())
+    out.insert(2, "wall_time", tokens["wall_time"].to_numpy())
+    return out[["step", "step_last", "wall_time"] + by + [m for m in METRIC_BY_KEY if m in wanted]]
 
 
 def metric_series_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
                          first: int, width: int, metrics: Sequence[str] | None = None,
                          steps: StepRange = None, where: Mapping[str, str] | None = None) -> pd.DataFrame:
     """:func:`metric_series` over step bins: columns step, step_last, wall_time, *by, metric keys."""
-    by = list(by)
-    wanted = list(metrics) if metrics is not None else list(METRIC_BY_KEY)
-    unknown = [m for m in wanted if m not in METRIC_BY_KEY]
-    if unknown:
-        raise ValueError(f"unknown metrics {unknown}; expected keys of mismatch_monitor.metrics.METRICS")
-    tables = {METRIC_BY_KEY[m].table for m in wanted}
-    kw: dict[str, Any] = dict(first=first, width=width, steps=steps, where=where)
-    tokens = aggregate_binned(con, run_dir, "tokens", by, **kw)
-    seq = hist = None
-    if "sequences" in tables and TURN_KEY not in by:
-        seq = aggregate_binned(con, run_dir, "sequences", by, **kw).drop(columns=["step_last", "wall_time"])
-    if "abs_hist" in tables:
-        hist = aggregate_binned(con, run_dir, "abs_hist", by, **kw).drop(columns=["step_last", "wall_time"])
-    out = derive(tokens, seq, hist, by=["step"] + by, config=run_config(run_dir))
-    out.insert(1, "step_last", tokens["step_last"].to_numpy())
-    out.insert(2, "wall_time", tokens["wall_time"].to_numpy())
-    return out[["step", "step_last", "wall_time"] + by + [m for m in METRIC_BY_KEY if m in set(wanted)]]
+    sums = binned_sums(con, run_dir, by, first=first, width=width, metrics=metrics, steps=steps, where=where)
+    return derive_sums(sums, by, metrics=metrics, config=run_config(run_dir))
 
 
 def _whole(con: duckdb.DuckDBPyConnection, run_dir: RunDir, steps: StepRange) -> tuple[int, int] | None:
@@ -160,18 +265,23 @@ def _ratio(num: pd.Series, den: pd.Series) -> np.ndarray:
         return np.where(den_a > 0, num_a / np.where(den_a > 0, den_a, 1.0), np.nan)
 
 
-def pool_shares(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: StepRange = None) -> pd.DataFrame:
+def pool_shares(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: StepRange = None,
+                tokens: pd.DataFrame | None = None) -> pd.DataFrame:
     """Per pool over ``steps``: its share of sequences, of tokens and of extreme-ratio tokens.
 
     ``tail_to_sample`` = extreme_share / sample_share: above 1, a pool holds more of the tail
-    than of the samples. Shares of an empty total are null.
+    than of the samples. Shares of an empty total are null. ``tokens``: the tokens table by pool
+    over exactly these steps, in step bins of any width, when the caller has read it already.
     """
     span = _whole(con, run_dir, steps)
     first, width = (span[0], span[1] - span[0] + 1) if span is not None else (0, 1)
     kw: dict[str, Any] = dict(first=first, width=width, steps=span if span is not None else (0, -1))
-    tok = aggregate_binned(con, run_dir, "tokens", ["pool"], **kw)
-    seq = aggregate_binned(con, run_dir, "sequences", ["pool"], **kw)
-    out = tok[["pool", "n_tokens", "n_extreme"]].merge(seq[["pool", "n_sequences"]], on="pool", how="outer")
+    if tokens is None:
+        tokens = aggregate_binned(con, run_dir, "tokens", ["pool"], **kw)
+    tok = tokens.groupby("pool", dropna=False, sort=False)[["n_tokens", "n_extreme"]].sum(min_count=1).reset_index()
+    seq = aggregate_binned(con, run_dir, "sequences", ["pool"], times=False, **kw)
+    tok, seq = tok.assign(pool=tok["pool"].astype(object)), seq.assign(pool=seq["pool"].astype(object))
+    out = tok.merge(seq[["pool", "n_sequences"]], on="pool", how="outer")
     for col in ("n_tokens", "n_extreme", "n_sequences"):
         out[col] = out[col].astype("float64").fillna(0.0)
     out["sample_share"] = _ratio(out["n_sequences"], pd.Series(out["n_sequences"].sum(), index=out.index))

@@ -5,8 +5,9 @@ Order of operations, each step safe for a concurrent reader:
 1. write the compacted data files (invisible: no index row points at their file_id yet);
 2. write the compacted ``steps`` index (the steps now resolve to the compacted copy, whose rows
    are identical to the originals: a reader sees each step once, from either copy);
-3. delete the old index files, then the old data files (a reader whose file list went stale
-   retries, see ``query._retry``).
+3. delete the old index files, then the old data files and their rollups (a reader whose file
+   list went stale retries, see ``query._retry``).
+The compacted files get rollups of their own (``query/rollup.py``), written with them in step 1.
 Only files of flushes committed when compaction started are touched (a file's name carries its
 file_id), so a live writer can keep appending; orphans of a crashed flush are left in place.
 """
@@ -17,12 +18,13 @@ from pathlib import Path
 
 from .atomic import write_parquet_atomic
 from .schema import DATA_TABLES, STEPS_TABLE, file_name, to_arrow
-from .writer import IdSource
+from .writer import IdSource, write_rollup
 
 
 def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, int]:
     """Compact ``run_dir``; returns the number of files removed per table."""
     from .. import query  # the SQL lives in the query layer
+    from ..query import rollup
 
     run_dir = Path(run_dir)
     step_files = query.table_files(run_dir, STEPS_TABLE)
@@ -31,6 +33,8 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
     committed = {Path(f).name for f in step_files}
     snapshot = {t: [f for f in query.table_files(run_dir, t) if Path(f).name in committed]
                 for t in DATA_TABLES}
+    rollups = [f for t in rollup.ROLLUP_TABLES for f in query.table_files(run_dir, rollup.rollup_name(t))
+               if Path(f).name in committed]
     if len(step_files) <= 1 and all(len(f) <= 1 for f in snapshot.values()):
         return {t: 0 for t in (*DATA_TABLES, STEPS_TABLE)}
     file_id = (ids or IdSource()).next()
@@ -42,8 +46,10 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
         df = query.copy_current(con, run_dir, table, files, step_files)
         if len(df):
             path = run_dir / table / file_name(file_id)
-            write_parquet_atomic(to_arrow(df.assign(file_id=file_id), table), path)
+            arrow = to_arrow(df.assign(file_id=file_id), table)
+            write_parquet_atomic(arrow, path)
             written.append(path)
+            write_rollup(run_dir, table, arrow, file_id)
     steps = query.copy_current(con, run_dir, STEPS_TABLE, step_files, step_files)
     write_parquet_atomic(to_arrow(steps.assign(file_id=file_id), STEPS_TABLE),
                          run_dir / STEPS_TABLE / file_name(file_id))
@@ -56,4 +62,6 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
         for f in files:
             Path(f).unlink(missing_ok=True)
             removed[table] += 1
+    for f in rollups:
+        Path(f).unlink(missing_ok=True)
     return removed

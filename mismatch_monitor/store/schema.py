@@ -34,7 +34,11 @@ STEP_COLUMNS = ("step", "write_id", "file_id")
 def to_arrow(df: pd.DataFrame, table: str) -> pa.Table:
     """A pandas frame as an Arrow table stamped with the schema version in the footer."""
     # one thread: this also runs from an exit handler, after executor threads are gone
-    arrow = pa.Table.from_pandas(df, preserve_index=False, nthreads=1)
+    return stamp(pa.Table.from_pandas(df, preserve_index=False, nthreads=1), table)
+
+
+def stamp(arrow: pa.Table, table: str) -> pa.Table:
+    """``arrow`` with the schema version and the table name in its footer metadata."""
     meta = dict(arrow.schema.metadata or {})
     meta.pop(b"pandas", None)  # the stamp, not pandas' index bookkeeping, describes our files
     meta[SCHEMA_KEY] = str(SCHEMA_VERSION).encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ..batch import STANDARD_DIMENSIONS
 from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY
 from ..exemplars import empty_exemplars
+from ..query import rollup
 from .schema import SCHEMA_KEY, SCHEMA_VERSION
 
 INTRO = f"""# Run directory schema (version {SCHEMA_VERSION})
@@ -22,6 +23,7 @@ RUN_DIR/
   run.json                    run id, start time, metric config, per-pool metadata, restarts
   steps/part-<file_id>.parquet      the step index (written last by every flush)
   <table>/part-<file_id>.parquet    one file per flush (or compaction) per table
+  rollups/<table>/part-<file_id>.parquet   that file's rows merged per block of steps (below)
 ```
 
 Every Parquet file carries the key `{SCHEMA_KEY.decode()}` = `{SCHEMA_VERSION}` in its footer
@@ -81,6 +83,21 @@ One row per alert state change (`firing` or `resolved`) written by the in-proces
 `step`, `wall_time` (seconds since the epoch), `n_tokens`, `n_sequences`, `n_cells`,
 `collector_errors` (errors the collector had counted by then; a step whose batch was rejected is
 recorded with no statistics).
+""")
+    parts.append(f"""
+## `rollups/<table>`
+
+Written for {", ".join(f"`{t}`" for t in rollup.ROLLUP_TABLES)} beside each of their files, with
+the same `file_id`, before the index: the file's rows merged per block of {rollup.BLOCK} steps
+(`block` = step // {rollup.BLOCK} * {rollup.BLOCK}) and per grouping, each column by its merge
+rule above. `grouping` names the dimensions a row keeps (comma-joined; empty for all):
+{", ".join(f"`{rollup.grouping_name(g) or '(all)'}`" for g in rollup.GROUPINGS)}; `abs_hist` keeps
+only the first {len(rollup.HIST_GROUPINGS)}.
+The other dimensions are null. Columns: `block`, `grouping`, the kept dimensions, the table's
+extra keys, `step_last` (the last step among the merged rows), the merged columns, `file_id`.
+A reader takes a block from rollups only where that is exact (every flush with a step in the
+block rolled up, none of its steps re-logged since, the whole block inside the range and bin
+read); a run without rollups is read from its cells.
 """)
     return "".join(parts)
 

@@ -16,6 +16,7 @@ logged last (a later flush of the same step wins anyway, by its higher ``write_i
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -27,12 +28,13 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from ..config import MetricConfig
 from ..engine.stats import MismatchStats
 from .atomic import write_json_atomic, write_parquet_atomic
 from .runinfo import RUN_FILE, read_run_info
-from .schema import DATA_TABLES, SCHEMA_VERSION, STEPS_TABLE, file_name, to_arrow
+from .schema import DATA_TABLES, SCHEMA_VERSION, STEPS_TABLE, file_name, stamp, to_arrow
 
 
 # 100 steps amortise the per-file cost of a flush (one file per table, fsynced) when steps are
@@ -40,6 +42,8 @@ from .schema import DATA_TABLES, SCHEMA_VERSION, STEPS_TABLE, file_name, to_arro
 # loses what is buffered and the flush in flight: up to about two of these intervals.
 FLUSH_EVERY_STEPS = 100
 FLUSH_EVERY_SECONDS = 10.0
+
+log = logging.getLogger(__name__)
 
 
 class IdSource:
@@ -370,12 +374,15 @@ class RunWriter:
                 continue
             df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
             self._write(table, df, write_id)
-        self._write(STEPS_TABLE, pd.DataFrame(steps), write_id)   # last: makes the steps visible
+        steps_df = pd.DataFrame(steps).assign(write_id=write_id, file_id=write_id)
+        write_parquet_atomic(to_arrow(steps_df, STEPS_TABLE),      # last: makes the steps visible
+                             self.run_dir / STEPS_TABLE / file_name(write_id))
         return len(steps)
 
     def _write(self, table: str, df: pd.DataFrame, write_id: int) -> None:
-        df = df.assign(write_id=write_id, file_id=write_id)
-        write_parquet_atomic(to_arrow(df, table), self.run_dir / table / file_name(write_id))
+        arrow = to_arrow(df.assign(write_id=write_id, file_id=write_id), table)
+        write_parquet_atomic(arrow, self.run_dir / table / file_name(write_id))
+        write_rollup(self.run_dir, table, arrow, write_id)
 
     def close(self) -> None:
         if self._flush_thread is not None and threading.get_ident() == self._flush_thread:
@@ -399,3 +406,21 @@ class RunWriter:
     @property
     def closed(self) -> bool:
         return self._closed
+
+
+def write_rollup(run_dir: Path, table: str, cells: pa.Table, file_id: int) -> None:
+    """The step-block rollups of one data file (``query/rollup.py``), written beside it before the
+    index. They only speed reads up: when they cannot be built, the file's steps are read from
+    their cells, so the failure is logged and the flush goes on."""
+    from ..query import rollup  # the SQL lives in the query layer
+
+    if table not in rollup.ROLLUP_TABLES:
+        return
+    try:
+        out = rollup.build(table, cells)
+        if out is not None:
+            name = rollup.rollup_name(table)
+            out = out.append_column("file_id", pa.array(np.full(out.num_rows, file_id, dtype=np.int64)))
+            write_parquet_atomic(stamp(out, name), run_dir / name / file_name(file_id))
+    except Exception:  # noqa: BLE001 - see above: readers fall back to the cells
+        log.exception("could not write the %s rollups of file %d; its steps are read from cells", table, file_id)
