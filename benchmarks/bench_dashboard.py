@@ -8,9 +8,11 @@ response lengths x 5 turn buckets (500 token cells, 5,600 tokens each) go throug
 engine once, and their statistics are logged round-robin, one per step, by ``RunWriter``
 (flushed every ``--flush-every`` steps), with alert rows every 250 steps. For each page, the
 page's loader (``app/loaders.py``: every query the page runs) is timed cold, on a fresh DuckDB
-connection, against two baselines over the same files (every file of the tables the loader
-reads) measured in the same run: ``SELECT count(*)``, which DuckDB answers from the Parquet
-footers without reading data, and one pass reading every column (``max`` of each). The
+connection with nothing kept from earlier reads (``query.forget_files``), against baselines over
+the same files measured in the same run: ``SELECT count(*)``, which DuckDB answers from the
+Parquet footers without reading data, over every file of the tables the loader reads (their
+step-block rollups included), and over the cell tables alone (the stricter ratio); and one pass
+reading every column (``max`` of each). The generation time includes the writer's rollups. The
 Overview's first paint is timed in Debian's Chromium: from navigation to the page fully drawn,
 the dashboard started by ``mismatch-monitor dashboard``.
 """
@@ -35,6 +37,7 @@ import torch
 from mismatch_monitor import query
 from mismatch_monitor.app import loaders
 from mismatch_monitor.app.navigation import PAGES
+from mismatch_monitor.query import rollup
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats
@@ -54,7 +57,7 @@ TABLES = {
     "length_turn": ("steps", "tokens", "sequences", "abs_hist"),
     "routing": ("steps", "tokens", "routing_layers"),
     "corrections": ("steps", "tokens", "sequences"),
-    "alerts": ("steps", "alerts", "tokens"),
+    "alerts": ("steps", "alerts", "tokens", "abs_hist"),     # the p99 series
     "compare": ("steps", "tokens", "sequences", "abs_hist"),
     "exemplars": ("steps", "exemplar_tokens", "exemplar_sequences"),
 }
@@ -124,6 +127,11 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def with_rollups(tables: tuple[str, ...]) -> tuple[str, ...]:
+    """The tables and the rollups of those a page reads binned (``query/rollup.py``)."""
+    return tables + tuple(rollup.rollup_name(t) for t in tables if t in rollup.ROLLUP_TABLES)
+
+
 def count_scan(run_dir: Path, tables: tuple[str, ...]) -> None:
     """``count(*)`` over every file of the tables (DuckDB answers it from the Parquet footers)."""
     con = query.connect()
@@ -148,6 +156,7 @@ def full_scan(run_dir: Path, tables: tuple[str, ...]) -> None:
 
 
 def page_queries(run_dir: Path, other: Path, loader: str) -> None:
+    query.forget_files()          # cold: nothing kept from an earlier run of the page
     con = query.connect()
     params: dict[str, object] = {"window": None, "max_points": 600}
     if loader == "compare":
@@ -214,14 +223,18 @@ def main() -> None:
         print(f"generated {args.steps} steps in {time.perf_counter() - t:.0f} s: "
               + ", ".join(f"{k}={v:,}" for k, v in rows.items()))
     print(f"{os.cpu_count()} CPUs; times are medians of {args.repeat} cold runs (fresh DuckDB connection)")
-    print(f"{'page':<24}{'queries s':>10}{'count(*) s':>11}{'x count':>8}{'scan s':>8}{'x scan':>7}")
+    print("count(*) and scan: over every file the page reads (cells and rollups); 'cells': over its "
+          "cell tables only")
+    print(f"{'page':<24}{'queries s':>10}{'count(*) s':>11}{'x count':>8}{'cells s':>8}{'x cells':>8}"
+          f"{'scan s':>8}{'x scan':>7}")
     for spec in PAGES:
         tables = TABLES[spec.loader]
-        count_s = timed(lambda: count_scan(run, tables), args.repeat)
-        scan_s = timed(lambda: full_scan(run, tables), args.repeat)
+        count_s = timed(lambda: count_scan(run, with_rollups(tables)), args.repeat)
+        cells_s = timed(lambda: count_scan(run, tables), args.repeat)
+        scan_s = timed(lambda: full_scan(run, with_rollups(tables)), args.repeat)
         page_s = timed(lambda: page_queries(run, other, spec.loader), args.repeat)
-        print(f"{spec.title:<24}{page_s:>10.3f}{count_s:>11.3f}{page_s / count_s:>8.1f}{scan_s:>8.3f}"
-              f"{page_s / scan_s:>7.1f}")
+        print(f"{spec.title:<24}{page_s:>10.3f}{count_s:>11.3f}{page_s / count_s:>8.1f}{cells_s:>8.3f}"
+              f"{page_s / cells_s:>8.1f}{scan_s:>8.3f}{page_s / scan_s:>7.1f}")
     if not args.no_browser:
         cold, warm = first_paint(root, run.name)
         print(f"Overview first paint in Chromium: {cold:.2f} s cold (new server, empty caches), "
