@@ -199,8 +199,8 @@ def test_aligned_bins_fit_the_points_on_block_boundaries(first, span, max_points
     origin, w = query.aligned_bins(first, last, width, max_points)
     assert origin <= first and w >= width
     assert (last - origin) // w + 1 <= max_points          # still at most max_points bins
-    if width > rollup.BLOCK // 2:
+    if width > 1 and span + 1 >= rollup.BLOCK * max_points // 4:
         assert w % rollup.BLOCK == 0 and origin % w == 0   # whole blocks fall in one bin
-        assert w < 2 * width + rollup.BLOCK                # and not much wider than asked
+        assert (last - origin) // w + 1 >= max_points // 4 - 1    # and enough bins are left
     else:
         assert (origin, w) == (first, width)

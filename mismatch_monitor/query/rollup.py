@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from ..engine.fields import LENGTH_KEY, TABLES, TURN_KEY, merge_rules
 
-BLOCK = 16                      # steps per block; step-bin widths above BLOCK / 2 are multiples of it
+BLOCK = 16                      # steps per block; wide step bins are multiples of it (aligned_bins)
 ROLLUP_DIR = "rollups"
 ROLLUP_TABLES: tuple[str, ...] = ("tokens", "sequences", "abs_hist", "lowprob", "routing_layers")
 # groupings kept, finest last; a query grouped (or filtered) by a subset of one reads its rollups
@@ -165,10 +165,14 @@ def plan(index: pd.DataFrame, current: pd.DataFrame, rolled: set[int], table: st
 
 
 def aligned_bins(first: int, last: int, width: int, max_points: int) -> tuple[int, int]:
-    """(origin, width) of step bins over [first, last] whose boundaries fall on block boundaries
-    (so that whole blocks can be read from rollups), in at most ``max_points`` bins. Widths up to
-    ``BLOCK // 2`` are kept as they are (such bins are read from cells)."""
-    if width <= BLOCK // 2:
+    """(origin, width) of step bins over [first, last], at most ``max_points`` of them.
+
+    Bins of several steps start on block boundaries and span whole blocks (so that they are read
+    from rollups) once at least ``max_points / 4`` of them still cover the range: a run of 2,400
+    steps or more at 600 points. Shorter ranges keep ``width`` from ``first`` (read from cells).
+    """
+    span = last - first + 1
+    if width < 2 or span < BLOCK * max_points // 4:
         return first, width
     w = -(-width // BLOCK) * BLOCK
     while True:
