@@ -9,6 +9,7 @@ about 20 s (one run of 80 steps built with the real collector, re-logs and a com
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from test_app_runs import POOLS, fleet_case
 
 STEPS = 80
 RELOGGED = (5, 33, 34, 70)
+NO_POOL = range(50, 56)           # in block 48, which is read from rollups
 TABLE_BY = [("tokens", ["pool"], None), ("tokens", [], {"pool": "fp8"}), ("abs_hist", [], None),
             ("abs_hist", ["pool"], None), ("abs_hist", ["turn_bucket"], None), ("sequences", ["length_bucket"], None),
             ("lowprob", [], {"pool": "int4"}), ("routing_layers", ["pool", "turn_bucket"], None),
@@ -41,7 +43,11 @@ def write_run(path: Path) -> None:
     # 7 steps a flush: blocks of 16 steps span several flushes
     with MismatchCollector(path, pools=POOLS, flush_every_steps=7, strict=True, alert_evaluator=None) as mc:
         for step in range(STEPS):
-            mc.log_step(step, fleet_case(step, 3, 1.0).batch())
+            case = fleet_case(step, 3, 1.0)
+            if step in NO_POOL:                     # some sequences without a pool label
+                case = dataclasses.replace(case, labels=dict(case.labels, pool=[
+                    None if i % 4 == 0 else p for i, p in enumerate(case.labels["pool"])]))
+            mc.log_step(step, case.batch())
     with MismatchCollector(path, pools=POOLS, flush_every_steps=2, strict=True, alert_evaluator=None) as mc:
         for step in RELOGGED:                       # a restart re-logs a few steps, with other tokens
             mc.log_step(step, fleet_case(step, 4, 1.0).batch())
@@ -115,6 +121,13 @@ def test_rollups_read_equals_the_cells(con, run: Path, table, by, where, first, 
     got_times = query.aggregate_binned(con, run, table, by, first=first, width=width, steps=steps, where=where)
     assert_same(got.assign(step_last=got_times["step_last"].to_numpy()), from_cells(
         con, run, table, by, where, first, width, steps), table, by)
+
+
+def test_a_null_label_is_a_group_of_its_own(con, run: Path) -> None:
+    got = query.aggregate_binned(con, run, "tokens", ["pool"], first=48, width=16, steps=(48, 63))
+    assert served_blocks(con, run, "tokens", ["pool"], 48, 16, (48, 63)) == [48]
+    assert got["pool"].isna().sum() == 1 and got["n_tokens"].sum() == from_cells(
+        con, run, "tokens", [], None, 48, 16, (48, 63))["n_tokens"].sum()
 
 
 def test_blocks_come_from_rollups_unless_relogged_or_cut(con, run: Path) -> None:
