@@ -187,8 +187,29 @@ def test_a_rollup_that_cannot_be_built_loses_no_step(tmp_path: Path, monkeypatch
     assert not list(path.glob("rollups/*/*.parquet"))
     con = query.connect()
     assert list(query.steps_index(con, path)["step"]) == list(range(20))
-    got = query.aggregate_binned(con, path, "tokens", ["pool"], first=0, width=16, steps=(0, 19))
-    assert_same(got, from_cells(con, path, "tokens", ["pool"], None, 0, 16, (0, 19)), "tokens", ["pool"])
+    want = from_cells(con, path, "tokens", ["pool"], None, 0, 16, (0, 19))
+    assert served_blocks(con, path, "tokens", ["pool"], 0, 16, (0, 19)) == []
+    assert_same(query.aggregate_binned(con, path, "tokens", ["pool"], first=0, width=16, steps=(0, 19)),
+                want, "tokens", ["pool"])
+    monkeypatch.undo()
+    compact_run(path)                    # merges the files and rolls the merged ones up
+    assert served_blocks(con, path, "tokens", ["pool"], 0, 16, (0, 19)) == [0, 16]   # 16: steps 16-19
+    assert_same(query.aggregate_binned(con, path, "tokens", ["pool"], first=0, width=16, steps=(0, 19)),
+                want, "tokens", ["pool"])
+
+
+def test_compact_adds_the_rollups_a_compacted_run_lacks(con, run: Path, tmp_path: Path, capsys) -> None:
+    from mismatch_monitor.cli import main as cli_main
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    compact_run(copy)
+    shutil.rmtree(copy / "rollups")      # as a run compacted before rollups existed
+    assert served_blocks(con, copy, "lowprob", [], 0, 16, (0, 79)) == []
+    assert cli_main(["compact", str(copy)]) == 0
+    assert "0 file(s) merged, 5 rollup file(s) added" in capsys.readouterr().out
+    assert served_blocks(con, copy, "lowprob", [], 0, 16, (0, 79)) == [0, 16, 32, 48, 64]
+    assert compact_run(copy)["rollups_added"] == 0          # nothing left to add
 
 
 def test_a_rollup_row_merges_its_cells_by_their_rules(run: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..store import compact_run, read_run_info
+from ..store.compact import ROLLUPS_ADDED
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +15,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     read_run_info(args.run_dir)  # a clear error for a directory that is not a run
     removed = compact_run(args.run_dir)
+    added = removed.pop(ROLLUPS_ADDED, 0)
     total = sum(removed.values())
     print(f"compacted {args.run_dir}: {total} file(s) merged"
-          + ("" if total else " (nothing to do)"))
+          + (f", {added} rollup file(s) added" if added else "" if total else " (nothing to do)"))
     return 0

@@ -7,7 +7,8 @@ Order of operations, each step safe for a concurrent reader:
    are identical to the originals: a reader sees each step once, from either copy);
 3. delete the old index files, then the old data files and their rollups (a reader whose file
    list went stale retries, see ``query._retry``).
-The compacted files get rollups of their own (``query/rollup.py``), written with them in step 1.
+The compacted files get rollups of their own (``query/rollup.py``), written with them in step 1;
+a run with nothing to merge gets the rollups its files lack (one written before rollups existed).
 Only files of flushes committed when compaction started are touched (a file's name carries its
 file_id), so a live writer can keep appending; orphans of a crashed flush are left in place.
 """
@@ -16,13 +17,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from .atomic import write_parquet_atomic
 from .schema import DATA_TABLES, STEPS_TABLE, file_name, to_arrow
 from .writer import IdSource, write_rollup
 
 
+ROLLUPS_ADDED = "rollups_added"
+
+
 def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, int]:
-    """Compact ``run_dir``; returns the number of files removed per table."""
+    """Compact ``run_dir``; returns the number of files removed per table (and, when there was
+    nothing to merge, under ``ROLLUPS_ADDED`` the rollup files written for files that had none)."""
     from .. import query  # the SQL lives in the query layer
     from ..query import rollup
 
@@ -36,7 +43,8 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
     rollups = [f for t in rollup.ROLLUP_TABLES for f in query.table_files(run_dir, rollup.rollup_name(t))
                if Path(f).name in committed]
     if len(step_files) <= 1 and all(len(f) <= 1 for f in snapshot.values()):
-        return {t: 0 for t in (*DATA_TABLES, STEPS_TABLE)}
+        added = add_missing_rollups(run_dir, snapshot)
+        return {**{t: 0 for t in (*DATA_TABLES, STEPS_TABLE)}, ROLLUPS_ADDED: added}
     file_id = (ids or IdSource()).next()
     con = query.connect()
     written: list[Path] = []
@@ -65,3 +73,20 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
     for f in rollups:
         Path(f).unlink(missing_ok=True)
     return removed
+
+
+def add_missing_rollups(run_dir: Path, snapshot: dict[str, list[str]]) -> int:
+    """Write the rollups of committed data files that have none (a run written before rollups,
+    or a flush whose rollups could not be built); returns how many were written."""
+    from ..query import rollup
+
+    added = 0
+    for table in rollup.ROLLUP_TABLES:
+        for f in snapshot.get(table, []):
+            target = run_dir / rollup.rollup_name(table) / Path(f).name
+            file_id = rollup.file_id_of(f)
+            if file_id is None or target.exists():
+                continue
+            write_rollup(run_dir, table, pq.read_table(f), file_id)
+            added += target.exists()
+    return added
