@@ -181,7 +181,9 @@ def _shared_codes(a: pd.Series, b: pd.Series) -> tuple[np.ndarray, int]:
         lookup = pd.Index(uniques).get_indexer(b.cat.categories)        # -1: not among a's values
         nulls = np.flatnonzero(pd.isna(uniques))
         b_codes = b.cat.codes.to_numpy()
-        mapped = np.where(b_codes >= 0, lookup[np.maximum(b_codes, 0)], nulls[0] if len(nulls) else -1)
+        mapped = np.full(len(b_codes), nulls[0] if len(nulls) else -1, dtype=np.int64)
+        valued = b_codes >= 0
+        mapped[valued] = lookup[b_codes[valued]]
         radix = len(uniques) + 1
         return np.concatenate([a_codes, np.where(mapped >= 0, mapped, radix - 1)]), radix
     codes, uniques = pd.factorize(pd.concat([a, b], ignore_index=True), use_na_sentinel=False)

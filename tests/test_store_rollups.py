@@ -238,3 +238,66 @@ def test_aligned_bins_fit_the_points_on_block_boundaries(first, span, max_points
         assert (last - origin) // w + 1 >= max_points // 4 - 1    # and enough bins are left
     else:
         assert (origin, w) == (first, width)
+
+
+def test_a_compaction_between_listings_loses_no_step(con, tmp_path: Path, monkeypatch) -> None:
+    """A compaction that completes after a reader listed the index, but before it listed the
+    rollups: the reader must not drop the steps of the files it removed (it retries)."""
+    from mismatch_monitor.query import views
+
+    path = tmp_path / "run"
+    with MismatchCollector(path, pools=POOLS, flush_every_steps=1000, strict=True, alert_evaluator=None) as mc:
+        for step in range(32):
+            mc.log_step(step, fleet_case(step, 6, 1.0).batch())
+            if step in (5, 11):             # flushes of steps 0-5, 6-11, then 12-31
+                mc.flush()
+    want = from_cells(con, path, "tokens", ["pool"], None, 0, 16, (2, 31))
+    last_index = sorted((path / "steps").glob("*.parquet"))[-1]
+    listed = views.table_files
+    fired = []
+
+    def compaction_meanwhile(run_dir, table):
+        if table.startswith(rollup.ROLLUP_DIR) and not fired:
+            fired.append(table)
+            hidden = last_index.with_suffix(".hidden")    # the last flush commits after the
+            last_index.rename(hidden)                     # compaction's snapshot
+            compact_run(path)
+            hidden.rename(last_index)
+        return listed(run_dir, table)
+
+    monkeypatch.setattr(views, "table_files", compaction_meanwhile)
+    got = query.aggregate_binned(con, path, "tokens", ["pool"], first=0, width=16, steps=(2, 31))
+    assert fired
+    assert_same(got, want, "tokens", ["pool"])
+
+
+def test_steps_without_rows_of_a_table_read_from_rollups(con, tmp_path: Path) -> None:
+    """Flushes whose steps carry no expert ids write no routing file: their blocks have no cells
+    to add to the rollups of the others."""
+    path = tmp_path / "run"
+    with MismatchCollector(path, pools=POOLS, flush_every_steps=8, strict=True, alert_evaluator=None) as mc:
+        for step in range(40):
+            case = fleet_case(step, 7, 1.0)
+            if step < 20:
+                case = dataclasses.replace(case, trainer_experts=None, sampler_experts=None)
+            mc.log_step(step, case.batch())
+    for steps in ((0, 39), (10, 39)):
+        got = query.aggregate_binned(con, path, "routing_layers", ["pool"], first=0, width=16, steps=steps)
+        assert_same(got, from_cells(con, path, "routing_layers", ["pool"], None, 0, 16, steps),
+                    "routing_layers", ["pool"])
+
+
+def test_a_run_without_pool_labels_reads_through_rollups(con, tmp_path: Path) -> None:
+    path = tmp_path / "run"
+    with MismatchCollector(path, flush_every_steps=8, strict=True, alert_evaluator=None) as mc:
+        for step in range(32):
+            case = fleet_case(step, 8, 1.0)
+            mc.log_step(step, dataclasses.replace(case, labels={"hardware": case.labels["hardware"]}).batch())
+    assert served_blocks(con, path, "abs_hist", ["pool"], 0, 16, (0, 31)) == [0, 16]
+    got = query.metric_series_binned(con, path, ["pool"], first=0, width=16, steps=(0, 31),
+                                     metrics=["mismatch/n_tokens", "mismatch/abs_log_ratio/p99"])
+    cells = query.metric_series_binned(con, path, ["pool"], first=0, width=1, steps=(0, 31),
+                                       metrics=["mismatch/n_tokens"])
+    assert got["pool"].isna().all() and len(got) == 2
+    assert got["mismatch/n_tokens"].sum() == cells["mismatch/n_tokens"].sum()
+    assert got["mismatch/abs_log_ratio/p99"].notna().all()

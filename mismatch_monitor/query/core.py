@@ -46,12 +46,17 @@ def current_files(run_dir: RunDir, table: str) -> dict[str, list[str]]:
     """``{"steps": index files, "files": data files}``, listed in that order.
 
     The order matters while a compaction runs: its data files are written before its index and
-    the old index files are removed before the old data files. Listing the index first, a
-    reader's index never names a data file its list lacks, and a file removed meanwhile fails
-    the read (no such file) and is retried with fresh lists.
+    the old index files are removed before the old data files. So when every listed index file
+    still exists after the data files were listed, the data list holds every file the index
+    names (what the index says may be kept from an earlier read, see ``_memo``); a data file
+    removed later fails the read (no such file), which is retried with fresh lists.
     """
-    steps = table_files(run_dir, STEPS_TABLE)
-    return {"steps": steps, "files": table_files(run_dir, table)}
+    for _ in range(8):
+        steps = table_files(run_dir, STEPS_TABLE)
+        files = table_files(run_dir, table)
+        if all(Path(f).exists() for f in steps):
+            return {"steps": steps, "files": files}
+    raise FileNotFoundError(f"No such file: the index of {run_dir} kept changing while it was listed")
 
 
 def run_config(run_dir: RunDir) -> MetricConfig:

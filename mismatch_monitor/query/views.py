@@ -159,12 +159,14 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
                            "SEMI JOIN ok USING (file_id, block) WHERE "
                            + " AND ".join(["t.grouping = $grouping"] + _label_filter(where, p)))
             p.update(rfiles=rfiles, grouping=plan.grouping, ok_f=plan.file_ids, ok_b=plan.blocks)
-            if plan.cell_steps:
+            # the cells' files from the same listing as the index (see current_files); a flush
+            # with no rows for this table has no file, and then no cells to add
+            wanted = set(plan.cell_file_ids)
+            cell_files = [f for f in files if rollup.file_id_of(f) in wanted]
+            if plan.cell_steps and cell_files:
                 ctes["todo"] = "SELECT unnest($todo) AS step"
                 ctes["src"] = cells(False, " SEMI JOIN todo USING (step)") + " UNION ALL " + ctes["src"]
-                wanted = set(plan.cell_file_ids)
-                p.update(files=[f for f in table_files(run_dir, table) if rollup.file_id_of(f) in wanted],
-                         todo=plan.cell_steps)
+                p.update(files=cell_files, todo=plan.cell_steps)
         ctes["src"] = ctes.pop("src")         # last: it reads the others
         with_sql = "WITH " + ", ".join(f"{name} AS ({body})" for name, body in ctes.items())
         if times:
