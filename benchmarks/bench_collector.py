@@ -31,6 +31,7 @@ from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats
 from mismatch_monitor.store import RunWriter
+from timing import durations
 
 
 def make_fields(n_tokens: int, seq_len: int = 512, seed: int = 0) -> dict:
@@ -61,12 +62,7 @@ def make_batch(n_tokens: int, seq_len: int = 512, seed: int = 0) -> TokenBatch:
 
 
 def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(durations(fn, repeat))
 
 
 def dir_bytes(path: Path) -> int:

@@ -43,6 +43,7 @@ from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats
 from mismatch_monitor.exemplars import tail_exemplars
 from mismatch_monitor.store import RunWriter
+from timing import durations
 
 POOLS = ("bf16", "fp8", "int4", "mxfp4", "tpu")
 ENVS = ("math", "code", "search", "chat")
@@ -119,12 +120,7 @@ def generate(run_dir: Path, steps: int, flush_every: int) -> dict[str, int]:
 
 
 def timed(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(durations(fn, repeat))
 
 
 def with_rollups(tables: tuple[str, ...]) -> tuple[str, ...]:

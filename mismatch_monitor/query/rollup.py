@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import duckdb
@@ -27,12 +26,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..engine.fields import LENGTH_KEY, TABLES, TURN_KEY, merge_rules
+from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
 
 BLOCK = 16                      # steps per block; wide step bins are multiples of it (aligned_bins)
 ROLLUP_DIR = "rollups"
 ROLLUP_TABLES: tuple[str, ...] = ("tokens", "sequences", "abs_hist", "lowprob", "routing_layers")
 # groupings kept, finest last; a query grouped (or filtered) by a subset of one reads its rollups
+ROLLUP_DIMS: tuple[str, ...] = ("pool", LENGTH_KEY, TURN_KEY)
 GROUPINGS: tuple[tuple[str, ...], ...] = ((), ("pool",), (LENGTH_KEY,), (TURN_KEY,), ("pool", LENGTH_KEY),
                                           ("pool", TURN_KEY))
 # the histogram has hundreds of bins per group: pool x length and pool x turn would cost more to
@@ -75,7 +75,7 @@ def build(table: str, cells: pa.Table) -> pa.Table | None:
         return None
     extra = list(TABLES[table][0])
     sets = groupings(table, columns)
-    dims = sorted({d for g in sets for d in g}, key=[d for g in GROUPINGS for d in g].index)
+    dims = [d for d in ROLLUP_DIMS if any(d in g for g in sets)]
     rules = {c: r for c, r in merge_rules(table).items() if c in columns}
     # GROUPING(dims) sets a bit for each dimension a set leaves out (first dimension: highest bit)
     names = " ".join(f"WHEN {sum(1 << (len(dims) - 1 - i) for i, d in enumerate(dims) if d not in g)} "
@@ -114,54 +114,72 @@ def choose(table: str, dims: Sequence[str]) -> tuple[str, ...] | None:
     """The smallest grouping of ``table`` that keeps every one of ``dims`` (None if none does)."""
     if table not in ROLLUP_TABLES:
         return None
-    columns = TABLES[table][0] + ("pool", LENGTH_KEY) + ((TURN_KEY,) if table != "sequences" else ())
+    columns = ("pool", LENGTH_KEY) + ((TURN_KEY,) if table in TOKEN_CELL_TABLES else ())
     for g in groupings(table, columns):
         if set(dims) <= set(g):
             return g
     return None
 
 
-def file_id_of(path: str) -> int | None:
-    stem = Path(path).stem
-    return int(stem[5:]) if stem.startswith("part-") and stem[5:].isdigit() else None
+@dataclass(frozen=True)
+class Blocks:
+    """What the steps index says of each block, whatever is read: the (file_id, block) pairs
+    with a current step and whether each is whole (no step of it re-logged since), and each
+    block's first and last current step."""
+
+    c_step: np.ndarray            # the current steps, their file and block
+    c_fid: np.ndarray
+    c_block: np.ndarray
+    pair_fid: np.ndarray          # (file_id, block) pairs holding a current step
+    pair_block: np.ndarray
+    pair_whole: np.ndarray        # every step the file wrote in the block is still current
+    blocks: np.ndarray            # blocks with a current step, their first and last one
+    block_min: np.ndarray
+    block_max: np.ndarray
 
 
-def plan(index: pd.DataFrame, current: pd.DataFrame, rolled: set[int], table: str, dims: Sequence[str], *,
-         first: int, width: int, lo: int | None, hi: int | None) -> Plan | None:
-    """Which blocks of a binned read come from rollups (None: none can, read cells as before).
-
-    ``index``: every row of the steps index files (step, file_id), superseded ones included;
-    ``current``: the current row of each step; ``rolled``: file ids with a rollup file of ``table``.
-    """
-    g = choose(table, dims)
-    if g is None or not rolled or not len(current):
-        return None
+def blocks_of(index: pd.DataFrame, current: pd.DataFrame) -> Blocks:
+    """``index``: every row of the index files (superseded ones too); ``current``: the current
+    row of each step."""
     step = index["step"].to_numpy(np.int64)
     fid = index["file_id"].to_numpy(np.int64)
     c_step = current["step"].to_numpy(np.int64)
     c_fid = current["file_id"].to_numpy(np.int64)
-    block = step // BLOCK * BLOCK
     c_block = c_step // BLOCK * BLOCK
-    written = pd.Series(1, index=pd.MultiIndex.from_arrays([fid, block])).groupby(level=[0, 1]).size()
-    current = pd.Series(1, index=pd.MultiIndex.from_arrays([c_fid, c_block])).groupby(level=[0, 1]).size()
-    pairs = pd.DataFrame({"n_current": current}).join(written.rename("n_written"))
-    pair_fid = pairs.index.get_level_values(0).to_numpy(np.int64)
-    pair_block = pairs.index.get_level_values(1).to_numpy(np.int64)
-    clean = (pairs["n_current"].to_numpy() == pairs["n_written"].to_numpy()) & np.isin(pair_fid, list(rolled))
-    lo_ = max(int(first), int(lo) if lo is not None else int(first))
-    hi_ = int(hi) if hi is not None else int(c_step.max())
+    written = pd.Series(1, index=pd.MultiIndex.from_arrays([fid, step // BLOCK * BLOCK])).groupby(level=[0, 1]).size()
+    held = pd.Series(1, index=pd.MultiIndex.from_arrays([c_fid, c_block])).groupby(level=[0, 1]).size()
+    pairs = pd.DataFrame({"n_current": held}).join(written.rename("n_written"))
     per_block = pd.DataFrame({"block": c_block, "step": c_step}).groupby("block")["step"].agg(["min", "max"])
-    blocks = per_block.index.to_numpy(np.int64)
-    bad = np.unique(pair_block[~clean])
-    ok = ((blocks >= lo_) & (per_block["min"].to_numpy() >= lo_) & (per_block["max"].to_numpy() <= hi_)
-          & ((blocks - first) // width == (blocks + BLOCK - 1 - first) // width) & ~np.isin(blocks, bad))
-    served = blocks[ok]
+    return Blocks(c_step, c_fid, c_block, pairs.index.get_level_values(0).to_numpy(np.int64),
+                  pairs.index.get_level_values(1).to_numpy(np.int64),
+                  pairs["n_current"].to_numpy() == pairs["n_written"].to_numpy(),
+                  per_block.index.to_numpy(np.int64), per_block["min"].to_numpy(), per_block["max"].to_numpy())
+
+
+def plan(blocks: Blocks, rolled: set[int], table: str, dims: Sequence[str], *,
+         first: int, width: int, lo: int | None, hi: int | None) -> Plan | None:
+    """Which blocks of a binned read come from rollups (None: none can, read cells as before).
+
+    ``blocks``: :func:`blocks_of` the run's index; ``rolled``: file ids with a rollup file of
+    ``table``.
+    """
+    g = choose(table, dims)
+    if g is None or not rolled or not len(blocks.c_step):
+        return None
+    b = blocks
+    clean = b.pair_whole & np.isin(b.pair_fid, list(rolled))
+    lo_ = max(int(first), int(lo) if lo is not None else int(first))
+    hi_ = int(hi) if hi is not None else int(b.c_step.max())
+    ok = ((b.blocks >= lo_) & (b.block_min >= lo_) & (b.block_max <= hi_)
+          & ((b.blocks - first) // width == (b.blocks + BLOCK - 1 - first) // width)
+          & ~np.isin(b.blocks, b.pair_block[~clean]))
+    served = b.blocks[ok]
     if not len(served):
         return None
-    take = np.isin(pair_block, served)
-    in_range = (c_step >= lo_) & (c_step <= hi_) & ~np.isin(c_block, served)
-    return Plan(grouping_name(g), pair_fid[take].tolist(), pair_block[take].tolist(),
-                c_step[in_range].tolist(), sorted(set(c_fid[in_range].tolist())))
+    take = np.isin(b.pair_block, served)
+    in_range = (b.c_step >= lo_) & (b.c_step <= hi_) & ~np.isin(b.c_block, served)
+    return Plan(grouping_name(g), b.pair_fid[take].tolist(), b.pair_block[take].tolist(),
+                b.c_step[in_range].tolist(), sorted(set(b.c_fid[in_range].tolist())))
 
 
 def aligned_bins(first: int, last: int, width: int, max_points: int) -> tuple[int, int]:

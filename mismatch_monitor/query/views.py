@@ -20,9 +20,10 @@ import pyarrow as pa
 from ..config import MetricConfig
 from ..engine.fields import TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
-from ..store.schema import STEPS_TABLE
+from ..store.schema import STEPS_TABLE, file_id_of
 from . import rollup
-from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _label_filter, _retry, _step_filter,
+from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _label_filter, _memo, _merged_columns,
+                   _retry, _step_filter,
                    current_files, current_index, file_columns, metric_series, raw_index, rows, run_config,
                    steps_index, table_files)
 
@@ -53,17 +54,16 @@ def _current_sources(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
     files, step_files = listed["files"], listed["steps"]
     if not files or not step_files:
         return files, step_files, False
-    named = {f: rollup.file_id_of(f) for f in files}
+    named = {f: file_id_of(f) for f in files}
     if any(i is None for i in named.values()):
         return files, step_files, False
-    index = raw_index(con, step_files)
     current = current_index(con, step_files)
     c_step, c_fid = current["step"].to_numpy(), current["file_id"].to_numpy()
     if steps is not None:
         keep = c_step >= steps[0] if steps[1] is None else (c_step >= steps[0]) & (c_step <= steps[1])
         c_fid = c_fid[keep]
     ids = set(c_fid.tolist())
-    exact = not index["step"].duplicated().any()
+    exact = len(raw_index(con, step_files)) == len(current)     # no step listed twice
     return [f for f in files if named[f] in ids], step_files, exact
 
 
@@ -87,12 +87,13 @@ def _rollup_plan(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, di
                  width: int, steps: StepRange, step_files: list[str]) -> tuple[rollup.Plan, list[str], set[str]] | None:
     """The rollups a binned read can use (``rollup.plan``), their files and columns; None if none."""
     rfiles = table_files(run_dir, rollup.rollup_name(table))        # listed after the index
-    rolled = {i for i in map(rollup.file_id_of, rfiles) if i is not None}
+    rolled = {i for i in map(file_id_of, rfiles) if i is not None}
     if not rolled or rollup.choose(table, dims) is None:
         return None
     lo, hi = steps if steps is not None else (None, None)
-    plan = rollup.plan(raw_index(con, step_files), current_index(con, step_files), rolled, table, dims,
-                       first=first, width=width, lo=lo, hi=hi)
+    blocks = _memo("blocks", step_files,
+                   lambda: rollup.blocks_of(raw_index(con, step_files), current_index(con, step_files)))
+    plan = rollup.plan(blocks, rolled, table, dims, first=first, width=width, lo=lo, hi=hi)
     if plan is None:
         return None
     return plan, rfiles, set(file_columns(con, rfiles))
@@ -126,12 +127,9 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
     params: dict[str, Any] = {"first": int(first), "width": int(width)}
     clauses = ["t.step >= $first"] + _step_filter(steps, params) + _label_filter(where, params)
     keys = [f'"{c}"' for c in by + extra]
-    aggs = [f'{rule}(t."{col}") AS "{col}"' for col, rule in rules.items()]
-    inner = (["$first + (t.s - $first) // $width * $width AS step", "max(t.step_last) AS step_last"]
-             + [f"t.{k}" for k in keys] + aggs)
-    outer = ["agg.step", "agg.step_last", "idx.wall_time"] + [f"agg.{k}" for k in keys] + [
-        f'agg."{c}"' for c in rules]
-    order = ", ".join(["agg.step"] + [f"agg.{k}" for k in keys])
+    bin_and_keys = ["$first + (t.s - $first) // $width * $width AS step"] + [f"t.{k}" for k in keys]
+    aggs = _merged_columns(rules, set(rules))          # every column is in src (NULL where absent)
+    order = ["step"] + keys
 
     def cells(exact: bool, only: str = "") -> str:
         """Rows of the cell files $files (current rows only: joined with the index unless exact)."""
@@ -162,7 +160,7 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
             # the cells' files from the same listing as the index (see current_files); a flush
             # with no rows for this table has no file, and then no cells to add
             wanted = set(plan.cell_file_ids)
-            cell_files = [f for f in files if rollup.file_id_of(f) in wanted]
+            cell_files = [f for f in files if file_id_of(f) in wanted]
             if plan.cell_steps and cell_files:
                 ctes["todo"] = "SELECT unnest($todo) AS step"
                 ctes["src"] = cells(False, " SEMI JOIN todo USING (step)") + " UNION ALL " + ctes["src"]
@@ -170,11 +168,15 @@ def aggregate_binned(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str
         ctes["src"] = ctes.pop("src")         # last: it reads the others
         with_sql = "WITH " + ", ".join(f"{name} AS ({body})" for name, body in ctes.items())
         if times:
+            inner = bin_and_keys + ["max(t.step_last) AS step_last"] + aggs
+            outer = ["agg.step", "agg.step_last", "idx.wall_time"] + [f"agg.{k}" for k in keys] + [
+                f'agg."{c}"' for c in rules]
             sql = (f"{with_sql}, agg AS (SELECT {', '.join(inner)} FROM src t GROUP BY ALL) "
-                   f"SELECT {', '.join(outer)} FROM agg LEFT JOIN idx ON idx.step = agg.step_last ORDER BY {order}")
+                   f"SELECT {', '.join(outer)} FROM agg LEFT JOIN idx ON idx.step = agg.step_last "
+                   f"ORDER BY {', '.join(f'agg.{k}' for k in order)}")
         else:
-            sql = (f"{with_sql} SELECT {', '.join(inner[:1] + inner[2:])} FROM src t GROUP BY ALL "
-                   f"ORDER BY {order.replace('agg.', '')}")
+            sql = (f"{with_sql} SELECT {', '.join(bin_and_keys + aggs)} FROM src t GROUP BY ALL "
+                   f"ORDER BY {', '.join(order)}")
         used = set(re.findall(r"\$(\w+)", sql))
         bound = {k: v for k, v in p.items() if k in used}
         # the current index, read once per list of index files (``current_index``)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from .atomic import write_parquet_atomic
-from .schema import DATA_TABLES, STEPS_TABLE, file_name, to_arrow
+from .schema import DATA_TABLES, STEPS_TABLE, file_id_of, file_name, to_arrow
 from .writer import IdSource, write_rollup
 
 
@@ -47,7 +47,6 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
         return {**{t: 0 for t in (*DATA_TABLES, STEPS_TABLE)}, ROLLUPS_ADDED: added}
     file_id = (ids or IdSource()).next()
     con = query.connect()
-    written: list[Path] = []
     for table, files in snapshot.items():
         if not files:
             continue
@@ -56,7 +55,6 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
             path = run_dir / table / file_name(file_id)
             arrow = to_arrow(df.assign(file_id=file_id), table)
             write_parquet_atomic(arrow, path)
-            written.append(path)
             write_rollup(run_dir, table, arrow, file_id)
     steps = query.copy_current(con, run_dir, STEPS_TABLE, step_files, step_files)
     write_parquet_atomic(to_arrow(steps.assign(file_id=file_id), STEPS_TABLE),
@@ -84,7 +82,7 @@ def add_missing_rollups(run_dir: Path, snapshot: dict[str, list[str]]) -> int:
     for table in rollup.ROLLUP_TABLES:
         for f in snapshot.get(table, []):
             target = run_dir / rollup.rollup_name(table) / Path(f).name
-            file_id = rollup.file_id_of(f)
+            file_id = file_id_of(f)
             if file_id is None or target.exists():
                 continue
             write_rollup(run_dir, table, pq.read_table(f), file_id)

@@ -11,6 +11,8 @@ which a flush writes last.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
 import pyarrow as pa
 
@@ -48,3 +50,9 @@ def stamp(arrow: pa.Table, table: str) -> pa.Table:
 
 def file_name(file_id: int) -> str:
     return f"part-{file_id:020d}.parquet"
+
+
+def file_id_of(path: str | Path) -> int | None:
+    """The file_id a data file's name carries (:func:`file_name`); None for another name."""
+    stem = Path(path).stem
+    return int(stem[5:]) if stem.startswith("part-") and stem[5:].isdigit() else None

@@ -166,7 +166,6 @@ class RunWriter:
         self._ids = ids or IdSource()
         self._flush_every_steps = flush_every_steps
         self._flush_every_seconds = flush_every_seconds
-        # per table: (step or None, frame); the step column is added once, at flush
         self._pending = _Pending()
         self._background = background
         self._executor: ThreadPoolExecutor | None = None
@@ -374,9 +373,7 @@ class RunWriter:
                 continue
             df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
             self._write(table, df, write_id)
-        steps_df = pd.DataFrame(steps).assign(write_id=write_id, file_id=write_id)
-        write_parquet_atomic(to_arrow(steps_df, STEPS_TABLE),      # last: makes the steps visible
-                             self.run_dir / STEPS_TABLE / file_name(write_id))
+        self._write(STEPS_TABLE, pd.DataFrame(steps), write_id)   # last: makes the steps visible
         return len(steps)
 
     def _write(self, table: str, df: pd.DataFrame, write_id: int) -> None:
