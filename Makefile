@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: install demo test sample-data dashboard bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py mismatch_monitor/engine/_native.c
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"

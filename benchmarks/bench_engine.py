@@ -44,6 +44,7 @@ import torch
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.engine import native
 from mismatch_monitor.engine.routing import routing_counts
 
 POOLS, HARDWARE = 6, 4
@@ -285,7 +286,8 @@ def routing_bench(n_tokens: int, layers: int = 48, k: int = 8, experts: int = 12
         se.view(torch.int64).sum()
 
     floor_t, _ = timed(floor, 3)
-    eng_t, _ = timed(lambda: routing_counts(te, se, cell, 1536, CONFIG.chunk_tokens), 3)
+    compiled = native.available()
+    eng_t, _ = timed(lambda: routing_counts(te, se, cell, 1536, CONFIG.chunk_tokens, compiled=compiled), 3)
     # sorting every row along K, the obvious set comparison, on 2% of the tokens
     sub = max(1, n_tokens // 50)
     sort_t, _ = timed(lambda: (te[:sub].sort(-1).values != se[:sub].sort(-1).values).any(-1), 1)
@@ -335,7 +337,8 @@ def main() -> None:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     threads = [int(t) for t in args.threads.split(",")]
     pandas_max = parse_size(args.pandas_max)
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, chunk_tokens={CONFIG.chunk_tokens}; "
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, chunk_tokens={CONFIG.chunk_tokens}, "
+          f"per-token loops: {'compiled (engine/_native.c)' if native.use_native(CONFIG, torch.device('cpu')) else 'torch ops'}; "
           f"times are the best of the repeats; x floor = time / the fastest read floor of that N")
     header = (f"{'N':>6} {'thr':>3} {'floor ms':>9} {'GB/s':>6} {'engine ms':>10} {'x floor':>8} "
               f"{'eng w=2 ms':>10} {'x floor':>8} {'naive s':>9} {'naive/eng':>9} {'pandas s':>9} "

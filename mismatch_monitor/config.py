@@ -10,6 +10,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
+KERNELS = ("auto", "native", "torch")
+
+
 def _increasing(name: str, values: tuple[float, ...], *, positive: bool = True) -> None:
     if len(values) == 0:
         raise ValueError(f"expected at least one edge in {name}, got an empty tuple")
@@ -59,6 +62,10 @@ class MetricConfig:
         staleness_max: staleness (trainer version - sampler version) is histogrammed as
             0..staleness_max, larger values in the last bin.
         chunk_tokens: tokens processed per pass; bounds the engine's extra memory.
+        kernel: which implementation of the per-token loops runs: "auto" takes the compiled
+            loops (built by ``pip install`` with a C compiler) for CPU tensors and torch ops
+            otherwise; "native" requires the compiled loops; "torch" always runs torch ops.
+            All compute the same statistics (see engine/native.py).
     """
 
     tis_cap: float = 2.0
@@ -77,6 +84,7 @@ class MetricConfig:
     hist_max: float = 1e3
     staleness_max: int = 64
     chunk_tokens: int = 1 << 18
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         # tuples from JSON arrive as lists; freeze them so the config stays hashable
@@ -113,6 +121,8 @@ class MetricConfig:
             raise ValueError(f"expected integer staleness_max >= 1, got {self.staleness_max!r}")
         if not (isinstance(self.chunk_tokens, int) and self.chunk_tokens >= 1024):
             raise ValueError(f"expected integer chunk_tokens >= 1024, got {self.chunk_tokens!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"expected kernel in {KERNELS}, got {self.kernel!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

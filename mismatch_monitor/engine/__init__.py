@@ -16,6 +16,7 @@ import torch
 
 from ..batch import TokenBatch
 from ..config import MetricConfig
+from . import native
 from .histogram import LogBins
 from .routing import routing_counts
 from .slicing import Cells, assign_cells, bucket_table, dimension_names
@@ -91,7 +92,8 @@ def _routing(batch: TokenBatch, cells: Cells, config: MetricConfig
     turn_table = None if batch.turn_index is None else bucket_table(config.turn_edges, batch.device)
     cell = cells.token_cells(batch.seq_index, batch.turn_index, turn_table)
     routed, any_flip, per_layer, L = routing_counts(
-        batch.trainer_experts, batch.sampler_experts, cell, cells.num_token_cells, config.chunk_tokens)
+        batch.trainer_experts, batch.sampler_experts, cell, cells.num_token_cells, config.chunk_tokens,
+        compiled=native.use_native(config, batch.device))
     per_layer = np_(per_layer)
     columns = {"n_routed_tokens": np_(routed), "n_routing_decisions": np_(routed) * L,
                "n_routing_flips": per_layer.sum(1), "n_tokens_any_flip": np_(any_flip)}

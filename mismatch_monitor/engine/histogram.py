@@ -72,6 +72,14 @@ class LogBins:
         k = torch.log(abs_x).mul_(1.0 / self.log_gamma).sub_(self.k_min - 1).ceil_()
         return k.clamp_(0, self.overflow_bin).to(torch.int64)
 
+    def upper_edges(self) -> np.ndarray:
+        """[num_bins] float64 upper edge of every unsigned bin: gamma^(k_min - 1) for the zero
+        bin, gamma^k for the regular bins, +inf for the overflow bin. The compiled token pass
+        compares |x| with these; ``index`` computes ceil(log_gamma x) instead, so a value within
+        a few ulp of an edge may fall on the other side of it there (both meet the alpha bound)."""
+        k = np.arange(self.k_min - 1, self.k_max + 1, dtype=np.float64)
+        return np.concatenate((np.power(self.gamma, k), [np.inf]))
+
     def signed_index(self, x: torch.Tensor) -> torch.Tensor:
         i = self.index(x.abs())
         return torch.where(x < 0, -i, i)

@@ -14,6 +14,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from . import native
+
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -99,15 +101,22 @@ def routing_flips(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor) 
 
 
 def routing_counts(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor,
-                   token_cell: torch.Tensor, num_cells: int, chunk: int
+                   token_cell: torch.Tensor, num_cells: int, chunk: int, compiled: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Per-cell routing statistics.
 
     Returns (n_routed_tokens [C], n_tokens_any_flip [C], flips per cell and layer [C, L], L).
     ``chunk`` bounds the tokens per pass; it is lowered so that one side's ids of a chunk stay
-    near 16 MiB whatever L and K.
+    near 16 MiB whatever L and K. ``compiled`` runs the loop of ``native.py`` instead (CPU
+    tensors, K <= 64): one read of both id tensors, the same counts.
     """
     N, L, K = trainer_experts.shape
+    if compiled and K <= 64:
+        routed = torch.bincount(token_cell, minlength=num_cells)
+        any_flip = torch.zeros(num_cells, dtype=torch.int64)
+        per_layer = torch.zeros(num_cells * L, dtype=torch.int64)
+        native.routing_flips(trainer_experts, sampler_experts, token_cell, sorting_network(K), per_layer, any_flip)
+        return routed, any_flip, per_layer.view(num_cells, L), L
     chunk = max(1, min(chunk, (16 << 20) // max(1, L * K * trainer_experts.element_size())))
     device = token_cell.device
     routed = torch.bincount(token_cell, minlength=num_cells)

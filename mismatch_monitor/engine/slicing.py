@@ -99,8 +99,12 @@ def assign_cells(batch: TokenBatch, config: MetricConfig) -> Cells:
     B = batch.num_sequences
     device = batch.device
     dims = dimension_names(dict(batch.labels))
-    seq_length = torch.bincount(batch.seq_index, minlength=B)[:B] if batch.num_tokens else \
-        torch.zeros(B, dtype=torch.int64, device=device)
+    if batch.seq_offsets is not None:       # contiguous sequences: no pass over the tokens
+        seq_length = batch.seq_offsets[1:] - batch.seq_offsets[:-1]
+    elif batch.num_tokens:
+        seq_length = torch.bincount(batch.seq_index, minlength=B)[:B]
+    else:
+        seq_length = torch.zeros(B, dtype=torch.int64, device=device)
     length_bucket = bucketize(seq_length, config.length_edges).cpu().numpy()
 
     # mixed-radix code over (label codes..., length bucket), per sequence, no Python loop over B

@@ -12,6 +12,9 @@ Invalid tokens (non-finite, or a log-prob above the tolerance) are routed to one
 cell and one extra "dump" sequence that are dropped at the end, so a single NaN never touches a
 statistic; a chunk without invalid tokens (checked with three reductions) skips the masks.
 Weights are float64 (``bincount`` with float32 weights accumulates in float32).
+
+On CPU tensors the compiled loop of ``native.py`` does the same pass in one read of the inputs
+(``MetricConfig.kernel``); the torch ops below are the implementation for every other device.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from ..batch import TokenBatch
 from ..config import MetricConfig
+from . import native
 from .histogram import LogBins
 from .regions import JointCoder
 from .slicing import Cells, bucket_table
@@ -90,6 +94,7 @@ class _Plan:
     coder: JointCoder
     turn_table: torch.Tensor | None
     tol: float
+    kernel: native.TokenKernel | None       # the compiled pass, when it runs
 
     @property
     def J(self) -> int:
@@ -98,11 +103,15 @@ class _Plan:
 
 def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
     coder = JointCoder.build(config, batch.device)
+    bins = LogBins.from_config(config)
+    turn_table = None if batch.turn_index is None else bucket_table(config.turn_edges, batch.device)
+    kernel = None
+    if native.use_native(config, batch.device):
+        kernel = native.TokenKernel.build(config, coder, bins, cells.num_turn_buckets,
+                                          0 if turn_table is None else turn_table.numel() - 1)
     return _Plan(
         C=cells.num_token_cells, B=batch.num_sequences, NL=len(config.lowprob_edges) + 1, R=coder.R,
-        bins=LogBins.from_config(config), coder=coder,
-        turn_table=None if batch.turn_index is None else bucket_table(config.turn_edges, batch.device),
-        tol=config.positive_logprob_tol,
+        bins=bins, coder=coder, turn_table=turn_table, tol=config.positive_logprob_tol, kernel=kernel,
     )
 
 
@@ -172,6 +181,36 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
     acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
 
 
+def _native_chunk(acc: TokenAccumulators, joint: torch.Tensor, batch: TokenBatch, cells: Cells, p: _Plan,
+                  start: int, stop: int) -> None:
+    """The compiled pass over one chunk; the optional support inputs go through torch ops."""
+    seq = batch.seq_index[start:stop]
+    turn = None if batch.turn_index is None else batch.turn_index[start:stop]
+    p.kernel.run(batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop], seq, turn,
+                 cells.seq_cell, p.turn_table, joint, acc)
+    if batch.in_trainer_support is None and batch.sampler_kept_logmass is None:
+        return
+    cell = cells.token_cells(seq, turn, p.turn_table)
+    if batch.in_trainer_support is not None:
+        sup = batch.in_trainer_support[start:stop]
+        acc.n_support_known += torch.bincount(cell, minlength=p.C + 1)
+        acc.n_support_mismatch += torch.bincount(cell[~sup], minlength=p.C + 1)
+    if batch.sampler_kept_logmass is not None:
+        t, s = batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop]
+        finite, positive = token_validity(t.to(torch.float64), s.to(torch.float64), p.tol)
+        kept = batch.sampler_kept_logmass[start:stop].to(torch.float64)
+        has = torch.isfinite(kept) & finite & ~positive
+        kc = torch.where(has, cell, p.C)
+        acc.n_kept += torch.bincount(kc, minlength=p.C + 1)
+        acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
+
+
+def _fold_joint(acc: TokenAccumulators, joint: torch.Tensor) -> None:
+    """The compiled pass's [J, JW] joint bins (count, then JOINT_SUMS) into the accumulators."""
+    acc.joint_n += joint[:, 0].to(torch.int64)
+    acc.joint_sums += joint[:, 1:1 + len(JOINT_SUMS)].T
+
+
 def _add_per_sequence(acc: TokenAccumulators, seq: torch.Tensor, lr: torch.Tensor, exp_abs: torch.Tensor) -> None:
     """Per-sequence sums. Tokens usually come in runs of one sequence, where ``scatter_add_``
     is slow (every add hits the same address); then sum each run first, in order."""
@@ -194,6 +233,12 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
 
     def run(my_starts: list[int]) -> TokenAccumulators:
         acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
+        if plan.kernel is not None:
+            joint = torch.zeros(plan.J, native.JW, dtype=torch.float64)
+            for st in my_starts:
+                _native_chunk(acc, joint, batch, cells, plan, st, min(st + chunk, N))
+            _fold_joint(acc, joint)
+            return acc
         ones = torch.ones(min(chunk, N), dtype=torch.int64, device=batch.device)
         for st in my_starts:
             _pass_chunk(acc, batch, cells, plan, st, min(st + chunk, N), ones)

@@ -1,0 +1,416 @@
+/* The metric engine's two per-token loops, compiled: the token pass and the routing flips.
+ *
+ * Loaded with ctypes (engine/native.py); the module init below only lets the build system and
+ * importlib find the shared object. Every number these loops use (bin edges, region bounds,
+ * bucket edges, sorting network) is computed in Python from MetricConfig and passed in, so the
+ * definitions stay in one place; this file holds loops, not definitions.
+ *
+ * Both loops read every input once, keep no temporaries, and accumulate into arrays the caller
+ * owns (zeroed by the caller), so calls on consecutive ranges of tokens add up.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ token pass */
+
+/* Mirrored by native.TokenParams (ctypes); keep the order. */
+typedef struct {
+    int64_t n_turn;                 /* turn buckets per sequence cell (1 without turns) */
+    int64_t turn_last;              /* last index of the turn table */
+    int64_t NL, R, NB;              /* lowprob buckets, regions, histogram bins */
+    double tol;                     /* a log-prob above this is invalid */
+    double outlier_abs;             /* |lr| below this lies in slot 0 (lr <= 0) or 1 (lr > 0) */
+    double poly_max;                /* |lr| below this: k3 and exp|lr| from their Taylor series */
+    const double *log_edges;        /* [NL - 1] log of the lowprob edges */
+    const double *region_bounds;    /* [R - 1] region boundaries of lr */
+    const int64_t *slot_of_region;  /* [R] */
+    const double *upper;            /* [NB] upper edge of each |lr| bin (last: +inf) */
+    const int32_t *lut;             /* first bin of each (exponent, top mantissa bits) key */
+    int64_t lut_shift, lut_base, lut_size;
+    const double *series;           /* [N_SERIES] 1/2!, 1/3!, ...: rho - 1 - lr = lr^2 sum c_i lr^i */
+    int64_t n_series;
+} TokenParams;
+
+#define N_SERIES 9
+#define JW 8                  /* per joint bin: count, lr, lr^2, k3, exp|lr|, rho^2, two unused */
+#define BLOCK 256             /* tokens per block: the block's arrays stay in L1 */
+
+/* A block of tokens: the vector stage fills it, the scalar stage adds it up. */
+typedef struct {
+    double t[BLOCK], s[BLOCK];
+    double lr[BLOCK], k3[BLOCK], e_abs[BLOCK], rho2[BLOCK];   /* what the token adds */
+    int64_t joint[BLOCK];     /* lowprob bucket * R + slot */
+    int64_t region[BLOCK];
+    int64_t bin[BLOCK];       /* |lr| histogram bin */
+    int64_t ok[BLOCK];        /* valid: finite, no log-prob above tol */
+} Block;
+
+/* The current cell's joint bins and histogram, kept small (in L1) while the tokens stay in the
+ * cell, then added to the caller's arrays: adding token by token straight into the caller's
+ * [cells x bins] arrays (megabytes) misses the cache on most tokens. */
+typedef struct {
+    double *joint;            /* [NL * R * JW] */
+    int64_t *joint_touched;   /* joint bins with counts, in first-touch order */
+    int64_t n_joint_touched;
+    int64_t *hist;            /* [NB] */
+    int64_t *touched;         /* histogram bins with counts, in first-touch order */
+    int64_t n_touched;
+} Local;
+
+static void load_block(const void *src, int dtype, int64_t start, int64_t m, double *dst) {
+    if (dtype) {
+        memcpy(dst, (const double *)src + start, (size_t)m * sizeof(double));
+    } else {
+        const float *f = (const float *)src + start;
+        for (int64_t i = 0; i < m; i++) dst[i] = f[i];
+    }
+}
+
+/* Straight-line arithmetic over a block, written for the compiler to vectorize. With
+ * P(x) = sum_i c_i x^i = E(x^2) + O(x) (even and odd parts; O has the sign of x):
+ * rho - 1 - lr = lr^2 P(lr) and exp|lr| = 1 + |lr| + lr^2 P(|lr|) = 1 + |lr| + lr^2 (E + |O|).
+ * Tokens with |lr| >= poly_max are redone with expm1/exp by the scalar stage; invalid ones
+ * (ok = 0) are never read. */
+static inline void block_values(const TokenParams *p, int64_t m, Block *b) {
+    const double *c = p->series;
+    const double tol = p->tol, lowest = -DBL_MAX;
+    for (int64_t i = 0; i < m; i++) {
+        const double t = b->t[i], s = b->s[i];
+        const double lr = t - s, x2 = lr * lr, x4 = x2 * x2;
+        const double even = (c[0] + c[2] * x2) + x4 * ((c[4] + c[6] * x2) + x4 * c[8]);
+        const double odd = lr * ((c[1] + c[3] * x2) + x4 * (c[5] + c[7] * x2));
+        const double k3 = x2 * (even + odd);
+        const double rho = 1.0 + lr + k3;
+        b->lr[i] = lr;
+        b->k3[i] = k3;
+        b->e_abs[i] = 1.0 + fabs(lr) + x2 * (even + fabs(odd));
+        b->rho2[i] = rho * rho;
+        b->ok[i] = (t <= tol) & (s <= tol) & (t >= lowest) & (s >= lowest);
+        b->joint[i] = 0;
+        b->region[i] = 0;
+    }
+    /* lowprob bucket = edges <= log p; region = bounds < lr, then its slot */
+    for (int64_t e = 0; e < p->NL - 1; e++) {
+        const double edge = p->log_edges[e];
+        for (int64_t i = 0; i < m; i++) b->joint[i] += b->s[i] >= edge;
+    }
+    for (int64_t e = 0; e < p->R - 1; e++) {
+        const double bound = p->region_bounds[e];
+        for (int64_t i = 0; i < m; i++) b->region[i] += bound < b->lr[i];
+    }
+    const int64_t R = p->R;
+    for (int64_t i = 0; i < m; i++) b->joint[i] = b->joint[i] * R + p->slot_of_region[b->region[i]];
+    /* histogram bin: the lookup's first bin for the key, then one step up if above its edge */
+    const int64_t shift = p->lut_shift, base = p->lut_base, last = p->lut_size - 1, NB = p->NB;
+    const double zero_edge = p->upper[0], over_edge = p->upper[NB - 2];
+    for (int64_t i = 0; i < m; i++) {
+        const double a = fabs(b->lr[i]);
+        uint64_t bits;
+        memcpy(&bits, &a, sizeof bits);
+        int64_t key = (int64_t)(bits >> shift) - base;
+        key = key < 0 ? 0 : (key > last ? last : key);
+        int64_t bin = p->lut[key];
+        bin += a > p->upper[bin];
+        bin = a > zero_edge ? bin : 0;
+        b->bin[i] = a > over_edge ? NB - 1 : bin;
+    }
+}
+
+/* Adds the current cell's local bins into the caller's arrays and clears them. */
+static void flush_cell(int64_t nj, int64_t NB, Local *loc, int64_t cell, double *joint, int64_t *abs_hist) {
+    double *dst = joint + cell * nj * JW;
+    for (int64_t k = 0; k < loc->n_joint_touched; k++) {
+        const int64_t j = loc->joint_touched[k];
+        double *src = loc->joint + j * JW;
+        for (int w = 0; w < JW; w++) dst[j * JW + w] += src[w];
+        memset(src, 0, JW * sizeof(double));
+    }
+    loc->n_joint_touched = 0;
+    int64_t *h = abs_hist + cell * NB;
+    for (int64_t k = 0; k < loc->n_touched; k++) {
+        const int64_t b = loc->touched[k];
+        h[b] += loc->hist[b];
+        loc->hist[b] = 0;
+    }
+    loc->n_touched = 0;
+}
+
+typedef struct {
+    double *joint, *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
+    int64_t *abs_hist, *n_nonfinite, *n_positive, *seq_invalid;
+} Out;
+
+/* Running values of the current sequence and of the current cell. */
+typedef struct {
+    int64_t seq, invalid;
+    double sum_lr, sum_exp_abs, max_abs;
+    int64_t cell;
+    double min_lr, max_lr;
+} Run;
+
+static inline void end_sequence(Run *r, const Out *out) {
+    if (r->seq < 0) return;
+    out->seq_invalid[r->seq] += r->invalid;
+    out->seq_sum_lr[r->seq] += r->sum_lr;
+    out->seq_sum_exp_abs[r->seq] += r->sum_exp_abs;
+    if (r->max_abs > out->seq_max_abs[r->seq]) out->seq_max_abs[r->seq] = r->max_abs;
+}
+
+static inline void end_cell(Run *r, const Out *out, int64_t nj, int64_t NB, Local *loc) {
+    if (r->cell < 0) return;
+    if (r->min_lr < out->min_lr[r->cell]) out->min_lr[r->cell] = r->min_lr;
+    if (r->max_lr > out->max_lr[r->cell]) out->max_lr[r->cell] = r->max_lr;
+    flush_cell(nj, NB, loc, r->cell, out->joint, out->abs_hist);
+}
+
+/* Both stages over every block; built for AVX2 + FMA too, picked at load time where the CPU
+ * has them. The scalar stage keeps what it updates per token in local variables, so that no
+ * store can alias a pointer the compiler would then reload. */
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+static int64_t token_blocks(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
+                            int s_dtype, const int64_t *restrict seq, const int64_t *restrict turn,
+                            const int64_t *restrict seq_cell, const int64_t *restrict turn_table,
+                            const Out *out, Local *loc, Block *restrict blk) {
+    const int64_t nj = p->NL * p->R, NB = p->NB, n_turn = p->n_turn, turn_last = p->turn_last;
+    const double poly_max = p->poly_max;
+    double *restrict ljoint = loc->joint;
+    int64_t *restrict lhist = loc->hist, *restrict jtouched = loc->joint_touched, *restrict htouched = loc->touched;
+    int64_t valid = 0;
+    Run r = {-1, 0, 0.0, 0.0, 0.0, -1, INFINITY, -INFINITY};
+    for (int64_t start = 0; start < n; start += BLOCK) {
+        const int64_t m = n - start < BLOCK ? n - start : BLOCK;
+        load_block(t, t_dtype, start, m, blk->t);
+        load_block(s, s_dtype, start, m, blk->s);
+        block_values(p, m, blk);
+        for (int64_t k = 0; k < m; k++) {
+            const int64_t i = start + k;
+            const int64_t sq = seq[i];
+            int64_t cell = seq_cell[sq];
+            if (turn) {
+                const int64_t tu = turn[i];
+                cell = cell * n_turn + turn_table[tu > turn_last ? turn_last : tu];
+            }
+            if (sq != r.seq) {
+                end_sequence(&r, out);
+                r.seq = sq;
+                r.invalid = 0;
+                r.sum_lr = r.sum_exp_abs = r.max_abs = 0.0;
+            }
+            if (cell != r.cell) {
+                end_cell(&r, out, nj, NB, loc);
+                r.cell = cell;
+                r.min_lr = INFINITY;
+                r.max_lr = -INFINITY;
+            }
+            if (!blk->ok[k]) {
+                if (!(isfinite(blk->t[k]) && isfinite(blk->s[k]))) out->n_nonfinite[cell]++;
+                else out->n_positive[cell]++;
+                r.invalid++;
+                continue;
+            }
+            valid++;
+            const double lr = blk->lr[k], a = fabs(lr);
+            double k3 = blk->k3[k], e_abs = blk->e_abs[k], rho2 = blk->rho2[k];
+            if (a >= poly_max) {                        /* the rare large |lr|: exactly */
+                const double em1 = expm1(lr);
+                k3 = em1 - lr;
+                e_abs = exp(a);
+                rho2 = (em1 + 1.0) * (em1 + 1.0);
+            }
+            const int64_t jb = blk->joint[k];
+            double *j = ljoint + jb * JW;
+            jtouched[loc->n_joint_touched] = jb;        /* kept when it is the bin's first */
+            loc->n_joint_touched += j[0] == 0.0;
+            j[0] += 1.0;
+            j[1] += lr;
+            j[2] += lr * lr;
+            j[3] += k3;
+            j[4] += e_abs;
+            j[5] += rho2;
+
+            const int64_t bin = blk->bin[k];
+            htouched[loc->n_touched] = bin;
+            loc->n_touched += lhist[bin]++ == 0;
+            r.min_lr = lr < r.min_lr ? lr : r.min_lr;
+            r.max_lr = lr > r.max_lr ? lr : r.max_lr;
+            r.sum_lr += lr;
+            r.sum_exp_abs += e_abs;
+            r.max_abs = a > r.max_abs ? a : r.max_abs;
+        }
+    }
+    end_sequence(&r, out);
+    end_cell(&r, out, nj, NB, loc);
+    return valid;
+}
+
+/* Every token statistic of n tokens, added into the caller's arrays (see TokenAccumulators in
+ * token_pass.py; `joint` is [cells * NL * R, JW]). Invalid tokens (non-finite, or a log-prob
+ * above tol) count per cell and per sequence and touch nothing else. Returns the number of
+ * valid tokens; -1 when the series has not the N_SERIES coefficients this file was compiled
+ * for, -2 when memory runs out. */
+int64_t mm_token_pass(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
+                      int s_dtype, const int64_t *seq, const int64_t *turn, const int64_t *seq_cell,
+                      const int64_t *turn_table, double *joint, int64_t *abs_hist, double *min_lr,
+                      double *max_lr, int64_t *n_nonfinite, int64_t *n_positive, int64_t *seq_invalid,
+                      double *seq_sum_lr, double *seq_sum_exp_abs, double *seq_max_abs) {
+    if (p->n_series != N_SERIES) return -1;
+    const int64_t nj = p->NL * p->R;
+    Local loc = {calloc((size_t)(nj * JW), sizeof(double)), malloc((size_t)(nj + 1) * sizeof(int64_t)), 0,
+                 calloc((size_t)p->NB, sizeof(int64_t)), malloc((size_t)(p->NB + 1) * sizeof(int64_t)), 0};
+    Block *blk = aligned_alloc(64, sizeof(Block));
+    int64_t valid = -2;
+    if (loc.joint && loc.joint_touched && loc.hist && loc.touched && blk) {
+        Out out = {joint, min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
+                   abs_hist, n_nonfinite, n_positive, seq_invalid};
+        valid = token_blocks(p, n, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out, &loc, blk);
+    }
+    free(loc.joint);
+    free(loc.joint_touched);
+    free(loc.hist);
+    free(loc.touched);
+    free(blk);
+    return valid;
+}
+
+/* ------------------------------------------------------------------ routing flips */
+
+static inline uint64_t load_id(const unsigned char *row, int64_t size, int64_t k) {
+    switch (size) {
+    case 1: return row[k];
+    case 2: { uint16_t v; memcpy(&v, row + 2 * k, 2); return v; }
+    case 4: { uint32_t v; memcpy(&v, row + 4 * k, 4); return v; }
+    default: { uint64_t v; memcpy(&v, row + 8 * k, 8); return v; }
+    }
+}
+
+static inline void sort_ids(uint64_t *v, const int32_t *pairs, int64_t n_pairs) {
+    for (int64_t c = 0; c < n_pairs; c++) {
+        const int32_t i = pairs[2 * c], j = pairs[2 * c + 1];
+        const uint64_t a = v[i], b = v[j];
+        v[i] = a < b ? a : b;
+        v[j] = a < b ? b : a;
+    }
+}
+
+/* Top-8 byte ids of both sides in one 16-byte vector (trainer in lanes 0-7, sampler in 8-15),
+ * each half sorted by the 6 layers of Batcher's network for 8 inputs: per layer every lane
+ * meets its partner, the lower lane keeps the minimum and the upper one the maximum. */
+typedef unsigned char V16 __attribute__((vector_size(16)));
+
+static const V16 PARTNER[6] = {
+    {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
+    {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
+    {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15},
+    {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
+    {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15},
+    {0, 2, 1, 4, 3, 6, 5, 7, 8, 10, 9, 12, 11, 14, 13, 15},
+};
+/* 0xff where the lane is the lower of its pair (or has none): it keeps the minimum */
+static const V16 LOWER[6] = {
+    {255, 0, 255, 0, 255, 0, 255, 0, 255, 0, 255, 0, 255, 0, 255, 0},
+    {255, 255, 0, 0, 255, 255, 0, 0, 255, 255, 0, 0, 255, 255, 0, 0},
+    {255, 255, 0, 255, 255, 255, 0, 255, 255, 255, 0, 255, 255, 255, 0, 255},
+    {255, 255, 255, 255, 0, 0, 0, 0, 255, 255, 255, 255, 0, 0, 0, 0},
+    {255, 255, 255, 255, 0, 0, 255, 255, 255, 255, 255, 255, 0, 0, 255, 255},
+    {255, 255, 0, 255, 0, 255, 0, 255, 255, 255, 0, 255, 0, 255, 0, 255},
+};
+
+static inline int differ_top8_bytes(const unsigned char *tr, const unsigned char *sr) {
+    V16 v;
+    memcpy(&v, tr, 8);
+    memcpy((unsigned char *)&v + 8, sr, 8);
+    for (int l = 0; l < 6; l++) {
+        const V16 w = __builtin_shuffle(v, PARTNER[l]);
+        const V16 lt = (V16)(v < w);
+        const V16 lo = (v & lt) | (w & ~lt), hi = (w & lt) | (v & ~lt);
+        v = (lo & LOWER[l]) | (hi & ~LOWER[l]);
+    }
+    uint64_t x, y;
+    memcpy(&x, &v, 8);
+    memcpy(&y, (unsigned char *)&v + 8, 8);
+    return x != y;
+}
+
+/* Whether two rows of K ids hold different multisets: sorted and compared. */
+static inline int differ_as_sets(const unsigned char *tr, const unsigned char *sr, int64_t K, int64_t size,
+                                 const int32_t *pairs, int64_t n_pairs, uint64_t *a, uint64_t *b) {
+    if (size == 1 && K == 8) return differ_top8_bytes(tr, sr);
+    for (int64_t k = 0; k < K; k++) {
+        a[k] = load_id(tr, size, k);
+        b[k] = load_id(sr, size, k);
+    }
+    sort_ids(a, pairs, n_pairs);
+    sort_ids(b, pairs, n_pairs);
+    return memcmp(a, b, (size_t)K * sizeof a[0]) != 0;
+}
+
+/* [n, L, K] ids of `size` bytes from both sides; a (token, layer) flips when the sorted ids
+ * differ (the multiset of the top-k; order inside the top-k does not count). Adds flips per
+ * (cell, layer) and tokens with any flip per cell. `pairs` is a sorting network for K
+ * inputs. Returns the number of flips, or -1 when K is above the supported 64. */
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+static int64_t routing_loop(int64_t n, int64_t L, int64_t K, int64_t size, const void *trainer,
+                         const void *sampler, const int64_t *cell, const int32_t *pairs,
+                         int64_t n_pairs, int64_t *per_layer, int64_t *any_flip) {
+    if (K > 64) return -1;
+    const int64_t row = K * size;
+    const unsigned char *te = (const unsigned char *)trainer, *se = (const unsigned char *)sampler;
+    uint64_t a[64], b[64];
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t c = cell[i];
+        int64_t flips = 0;
+        for (int64_t l0 = 0; l0 < L; l0 += 64) {
+            const int64_t nl = L - l0 < 64 ? L - l0 : 64;
+            /* which rows differ in order, without a branch per row; then only those */
+            uint64_t differ = 0;
+            if (row == 8) {
+                const unsigned char *x = te + (i * L + l0) * row, *y = se + (i * L + l0) * row;
+                for (int64_t l = 0; l < nl; l++) {
+                    uint64_t xv, yv;
+                    memcpy(&xv, x + 8 * l, 8);
+                    memcpy(&yv, y + 8 * l, 8);
+                    differ |= (uint64_t)(xv != yv) << l;
+                }
+            } else {
+                for (int64_t l = 0; l < nl; l++) {
+                    const int64_t at = (i * L + l0 + l) * row;
+                    differ |= (uint64_t)(memcmp(te + at, se + at, (size_t)row) != 0) << l;
+                }
+            }
+            while (differ) {
+                const int64_t l = l0 + __builtin_ctzll(differ);
+                differ &= differ - 1;
+                const unsigned char *tr = te + (i * L + l) * row, *sr = se + (i * L + l) * row;
+                if (differ_as_sets(tr, sr, K, size, pairs, n_pairs, a, b)) {
+                    per_layer[c * L + l]++;
+                    flips = 1;
+                    total++;
+                }
+            }
+        }
+        any_flip[c] += flips;
+    }
+    return total;
+}
+
+int64_t mm_routing_flips(int64_t n, int64_t L, int64_t K, int64_t size, const void *trainer,
+                         const void *sampler, const int64_t *cell, const int32_t *pairs,
+                         int64_t n_pairs, int64_t *per_layer, int64_t *any_flip) {
+    return routing_loop(n, L, K, size, trainer, sampler, cell, pairs, n_pairs, per_layer, any_flip);
+}
+
+/* ------------------------------------------------------------------ module */
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "_native",
+    "Compiled loops of the metric engine; called through ctypes (see engine/native.py).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&native_module); }

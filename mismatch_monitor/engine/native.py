@@ -1,0 +1,160 @@
+"""The compiled token pass and routing loops (``_native.c``), called through ctypes.
+
+The extension is built by ``pip install`` when a C compiler is there (``setup.py``); without
+it the engine runs its torch implementation, which computes the same statistics (the tests run
+both against one float64 reference). ``MetricConfig.kernel`` chooses: ``"auto"`` takes the
+compiled loops for CPU tensors when they were built, ``"native"`` insists on them, ``"torch"``
+never uses them. The loops only read the inputs and add into the caller's accumulators; ctypes
+releases the GIL during a call, so Python threads run them in parallel.
+
+Everything the loops compare against (bin edges, regions, bucket edges, the sorting network)
+is computed here from the one definition in Python and passed in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..config import MetricConfig
+from .histogram import LogBins
+
+if TYPE_CHECKING:
+    from .regions import JointCoder
+
+JW = 8                      # doubles per joint bin in the compiled pass (see _native.c)
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_DTYPES = {torch.float32: 0, torch.float64: 1}
+# |lr| below this: k3 = rho - 1 - lr and exp|lr| from their Taylor series to x^10 / 10!
+# (the first term left out is below 1e-18 relative); above it expm1 and exp
+POLY_MAX = 1.0 / 16
+SERIES = np.array([1.0 / math.factorial(n) for n in range(2, 11)])
+
+
+class TokenParams(ctypes.Structure):
+    _fields_ = [("n_turn", _I), ("turn_last", _I), ("NL", _I), ("R", _I), ("NB", _I),
+                ("tol", ctypes.c_double), ("outlier_abs", ctypes.c_double), ("poly_max", ctypes.c_double),
+                ("log_edges", _P), ("region_bounds", _P), ("slot_of_region", _P), ("upper", _P),
+                ("lut", _P), ("lut_shift", _I), ("lut_base", _I), ("lut_size", _I),
+                ("series", _P), ("n_series", _I)]
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded extension, or None when it was not built."""
+    spec = importlib.util.find_spec(f"{__package__}._native")
+    if spec is None or not spec.origin:
+        return None
+    lib = ctypes.CDLL(spec.origin)
+    lib.mm_token_pass.restype = _I
+    lib.mm_token_pass.argtypes = [ctypes.POINTER(TokenParams), _I, _P, ctypes.c_int, _P, ctypes.c_int,
+                                  _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+    lib.mm_routing_flips.restype = _I
+    lib.mm_routing_flips.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P]
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def use_native(config: MetricConfig, device: torch.device) -> bool:
+    """Whether the engine takes the compiled loops for data on ``device``."""
+    if config.kernel == "torch" or device.type != "cpu":
+        if config.kernel == "native" and device.type != "cpu":
+            raise ValueError(f"MetricConfig.kernel='native' runs on CPU tensors only, got {device}")
+        return False
+    if library() is None:
+        if config.kernel == "native":
+            raise RuntimeError("MetricConfig.kernel='native' but the compiled extension "
+                               "mismatch_monitor.engine._native was not built (reinstall with a C compiler)")
+        return False
+    return True
+
+
+def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
+    if t is None:
+        return None
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
+def bin_lookup(bins: LogBins) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(upper edges, first bin per key, shift, base) for ``abs_bin`` in _native.c: a key is the
+    exponent and top mantissa bits of a positive double; the lookup gives the first bin its
+    values can fall in, and the loop steps up while |x| lies above the bin's upper edge."""
+    upper = bins.upper_edges()
+    bits = math.ceil(math.log2(1.0 / (bins.gamma - 1.0))) + 1     # < one edge per key, mostly
+    shift = 52 - min(max(bits, 0), 12)
+    lo = int(np.array(upper[0]).view(np.int64)) >> shift
+    hi = int(np.array(upper[-2]).view(np.int64)) >> shift
+    keys = np.arange(lo, hi + 1, dtype=np.int64)
+    first = (keys << shift).view(np.float64)                         # smallest value of each key
+    lut = np.searchsorted(upper, first, side="left").astype(np.int32)
+    return upper, lut, shift, lo
+
+
+@dataclass
+class TokenKernel:
+    """The compiled pass's parameters for one config and batch layout (arrays kept alive)."""
+
+    params: TokenParams
+    keep: tuple
+
+    @classmethod
+    def build(cls, config: MetricConfig, coder: JointCoder, bins: LogBins, n_turn: int,
+              turn_last: int) -> "TokenKernel":
+        upper, lut, shift, base = bin_lookup(bins)
+        log_edges = np.array(coder.log_edges, dtype=np.float64)
+        bounds = coder.region_bounds.cpu().numpy().astype(np.float64)
+        slots = coder.slot_of_region.cpu().numpy().astype(np.int64)
+        series = SERIES.copy()
+        keep = (upper, lut, log_edges, bounds, slots, series)
+        params = TokenParams(
+            n_turn=n_turn, turn_last=turn_last, NL=len(log_edges) + 1, R=coder.R, NB=bins.num_bins,
+            tol=config.positive_logprob_tol, outlier_abs=coder.outlier_abs, poly_max=POLY_MAX,
+            log_edges=_ptr(log_edges), region_bounds=_ptr(bounds), slot_of_region=_ptr(slots),
+            upper=_ptr(upper), lut=_ptr(lut), lut_shift=shift, lut_base=base, lut_size=len(lut),
+            series=_ptr(series), n_series=len(series))
+        return cls(params, keep)
+
+    def run(self, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor, turn: torch.Tensor | None,
+            seq_cell: torch.Tensor, turn_table: torch.Tensor | None, joint: torch.Tensor, acc) -> int:
+        """One range of tokens into ``joint`` ([J, JW] float64) and the accumulators ``acc``."""
+        t, s = _float(t), _float(s)
+        valid = library().mm_token_pass(
+            ctypes.byref(self.params), t.numel(), _ptr(t), _DTYPES[t.dtype], _ptr(s), _DTYPES[s.dtype],
+            _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(joint), _ptr(acc.abs_hist),
+            _ptr(acc.min_lr), _ptr(acc.max_lr), _ptr(acc.n_nonfinite), _ptr(acc.n_positive),
+            _ptr(acc.seq_invalid), _ptr(acc.seq_sum_lr), _ptr(acc.seq_sum_exp_abs), _ptr(acc.seq_max_abs))
+        if valid == -2:
+            raise MemoryError("the compiled token pass could not allocate its per-cell buffers")
+        if valid < 0:
+            raise RuntimeError("the compiled token pass was built for another series length; reinstall")
+        return valid
+
+
+def _float(t: torch.Tensor) -> torch.Tensor:
+    """float32 / float64 as they are; bf16 / fp16 widen to float32 exactly."""
+    t = t.contiguous()
+    return t if t.dtype in _DTYPES else t.to(torch.float32)
+
+
+def routing_flips(trainer: torch.Tensor, sampler: torch.Tensor, cell: torch.Tensor,
+                  network: tuple[tuple[int, int], ...], per_layer: torch.Tensor, any_flip: torch.Tensor) -> int:
+    """Flips of [n, L, K] integer ids into ``per_layer`` [C * L] and ``any_flip`` [C] (int64)."""
+    n, L, K = trainer.shape
+    trainer, sampler, cell = trainer.contiguous(), sampler.contiguous(), cell.contiguous()
+    pairs = np.array(network, dtype=np.int32).reshape(-1)
+    total = library().mm_routing_flips(n, L, K, trainer.element_size(), _ptr(trainer), _ptr(sampler),
+                                       _ptr(cell), _ptr(pairs), len(network), _ptr(per_layer), _ptr(any_flip))
+    if total < 0:
+        raise ValueError(f"the compiled routing loop takes top-k up to 64, got K={K}")
+    return total
