@@ -1,6 +1,7 @@
 """Shared test settings: single-threaded torch (small ops are faster on one thread, and the
 machine is shared) and a bounded hypothesis profile."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -10,3 +11,17 @@ settings.register_profile(
     "mismatch", max_examples=25, deadline=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile("mismatch")
+
+
+@pytest.fixture(params=["native", "torch"])
+def each_kernel(request, monkeypatch):
+    """Runs a test once with the compiled per-token loops and once with the torch ops, for
+    configs left at kernel="auto". The compiled loops must have been built (pip install with a C
+    compiler): a missing build fails here rather than passing on the torch ops alone."""
+    from mismatch_monitor.engine import native
+
+    if request.param == "native":
+        assert native.available(), "the compiled extension mismatch_monitor.engine._native was not built"
+    else:
+        monkeypatch.setattr(native, "use_native", lambda config, device: False)
+    return request.param

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,9 @@ from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import MismatchStats, compute_stats, merge
 from mismatch_monitor.engine.fields import TABLES, TOKEN_CELL_TABLES
 from reference import Case, assert_tables_match, make_case
+
+# every test runs with the compiled loops and with the torch ops (see conftest.py)
+pytestmark = pytest.mark.usefixtures("each_kernel")
 
 CONFIG = MetricConfig(chunk_tokens=1024)
 # each example computes and merges several stats through pandas: fewer, richer examples

@@ -14,6 +14,9 @@ from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import MismatchStats, compute_stats, merge
 from reference import make_case, reference_metrics, sort_table
 
+# every test runs with the compiled loops and with the torch ops (see conftest.py)
+pytestmark = pytest.mark.usefixtures("each_kernel")
+
 CONFIG = MetricConfig()
 QUANTILE_KEYS = {f"mismatch/abs_log_ratio/{q}" for q in ("p50", "p90", "p99", "p999")}
 GROUPINGS = [[], ["pool"], ["pool", "length_bucket"], ["pool", "hardware", "turn_bucket"], ["task", "precision"]]

@@ -7,6 +7,7 @@ import math
 from fractions import Fraction
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -17,6 +18,9 @@ from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats
 from mismatch_monitor.engine.histogram import QUANTILES, LogBins, nearest_rank
 from reference import Bins, nearest_rank as reference_rank
+
+# every test runs with the compiled loops and with the torch ops (see conftest.py)
+pytestmark = pytest.mark.usefixtures("each_kernel")
 
 CONFIG = MetricConfig()
 ALPHA = CONFIG.hist_relative_accuracy

@@ -16,6 +16,9 @@ from mismatch_monitor.engine import compute_stats
 from mismatch_monitor.engine.fields import TABLES
 from reference import assert_tables_match, make_case, reference_tables
 
+# every test runs with the compiled loops and with the torch ops (see conftest.py)
+pytestmark = pytest.mark.usefixtures("each_kernel")
+
 CONFIG = MetricConfig()
 
 

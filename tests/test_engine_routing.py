@@ -14,6 +14,9 @@ from mismatch_monitor.engine.routing import routing_counts, routing_flips
 from reference import assert_tables_match, make_case, reference_tables
 from reference import routing_flips as reference_flips
 
+# every test runs with the compiled loops and with the torch ops (see conftest.py)
+pytestmark = pytest.mark.usefixtures("each_kernel")
+
 
 def test_permuted_top_k_is_not_a_flip():
     te = torch.tensor([[[3, 7, 1, 9]], [[0, 1, 2, 3]]], dtype=torch.uint8)     # [2 tokens, 1 layer, K=4]

@@ -1,0 +1,154 @@
+"""The compiled per-token loops (engine/_native.c) against the torch ops and the definitions.
+
+Every engine test already runs with both kernels against the float64 reference (the
+``each_kernel`` fixture); these tests pin down what only the compiled loops do: histogram bins
+read off the upper edges, the Taylor series for small lr, the choice of kernel, and the routing
+loop for every id width and top-k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from mismatch_monitor.batch import TokenBatch
+from mismatch_monitor.config import MetricConfig
+from mismatch_monitor.engine import compute_stats, native
+from mismatch_monitor.engine.histogram import LogBins
+from mismatch_monitor.engine.routing import routing_counts, sorting_network
+from reference import assert_tables_match, make_case, routing_flips as reference_flips
+
+NATIVE, TORCH = MetricConfig(kernel="native"), MetricConfig(kernel="torch")
+
+
+@pytest.fixture(autouse=True)
+def _built():
+    assert native.available(), "the compiled extension mismatch_monitor.engine._native was not built"
+
+
+def exact_batch(lr: np.ndarray) -> TokenBatch:
+    """One sequence of float64 tokens whose t - s is exactly ``lr``: one side's log-prob is 0,
+    the other's -|lr|."""
+    t = np.where(lr > 0, 0.0, lr)
+    s = np.where(lr > 0, -lr, 0.0)
+    assert np.array_equal(t - s, lr)
+    return TokenBatch.from_flat(torch.from_numpy(t), torch.from_numpy(s), seq_offsets=[0, len(lr)],
+                                labels={"pool": ["a"]})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_both_kernels_agree_on_a_rich_batch(dtype):
+    # invalid tokens, turns, support information, kept log-mass and expert ids, in many chunks
+    case = make_case(5, num_sequences=80, dtype=dtype, tail_fraction=5e-3, bad_fraction=0.01)
+    batch = case.batch("offsets")
+    for config in (MetricConfig(), MetricConfig(chunk_tokens=1024)):
+        got = compute_stats(batch, replace(config, kernel="native"), workers=2)
+        want = compute_stats(batch, replace(config, kernel="torch"))
+        for name in ("tokens", "abs_hist", "lowprob", "routing_layers", "sequences", "seq_hist", "staleness"):
+            assert_tables_match(got[name], want[name], name, rtol=1e-12, atol=1e-13)
+
+
+def test_histogram_bins_are_read_off_the_upper_edges():
+    # |lr| exactly on an upper edge belongs to that bin; one ulp above, to the next
+    bins = LogBins.from_config(NATIVE)
+    upper = bins.upper_edges()
+    rng = np.random.default_rng(0)
+    picks = upper[rng.choice(np.arange(1, bins.num_bins - 2), 300, replace=False)]
+    values = np.concatenate([picks, np.nextafter(picks, np.inf), np.nextafter(picks, 0),
+                             [0.0, upper[0], np.nextafter(upper[0], np.inf), upper[-2],
+                              np.nextafter(upper[-2], np.inf), 900.0]])
+    lr = np.where(np.arange(len(values)) % 2 == 0, values, -values)   # both signs
+    got = compute_stats(exact_batch(lr), NATIVE)["abs_hist"]
+    want = np.bincount(np.searchsorted(upper, values, side="left"), minlength=bins.num_bins)
+    counts = np.zeros(bins.num_bins, dtype=np.int64)
+    counts[got["bin"].to_numpy()] = got["count"].to_numpy()
+    np.testing.assert_array_equal(counts, want)
+    # and the torch ops, which compute ceil(log_gamma |lr|), agree away from the edges
+    middle = picks * math.sqrt(bins.gamma)
+    np.testing.assert_array_equal(np.searchsorted(upper, middle), bins.index(torch.from_numpy(middle)).numpy())
+
+
+def test_taylor_series_for_small_lr_is_as_exact_as_float64_allows():
+    # k3 = rho - 1 - lr and exp|lr| for |lr| below the series' range, against math.expm1 on
+    # each token (exact to an ulp); sums must agree to a few ulp of the largest term
+    lr = np.concatenate([np.geomspace(1e-12, native.POLY_MAX * 0.999, 400),
+                         -np.geomspace(1e-12, native.POLY_MAX * 0.999, 400), [native.POLY_MAX, 0.5, -2.0]])
+    tokens = compute_stats(exact_batch(lr), NATIVE)["tokens"]
+    k3 = sum(math.expm1(x) - x for x in lr)
+    k3_terms = [abs(math.expm1(x) - x) for x in lr]
+    assert abs(tokens["sum_k3"].sum() - k3) <= 1e-15 * sum(k3_terms) + 1e-300
+    e_abs = sum(math.exp(abs(x)) for x in lr)
+    assert abs(tokens["sum_exp_abs_lr"].sum() - e_abs) <= 1e-15 * e_abs
+    rho2 = sum(math.exp(2 * x) for x in lr)
+    assert abs(tokens["sum_rho2"].sum() - rho2) <= 1e-14 * rho2
+
+
+def test_one_token_per_chunk_boundary_and_empty_ranges():
+    # a block of the compiled loop is 256 tokens: lengths around it, and a chunk of exactly it
+    for n in (1, 255, 256, 257, 1025):
+        case = make_case(n, num_sequences=1, max_len=n + 1, dtype=torch.float32)
+        batch = case.batch("offsets")
+        got = compute_stats(batch, replace(NATIVE, chunk_tokens=1024))
+        want = compute_stats(batch, TORCH)
+        for name in ("tokens", "abs_hist", "lowprob", "sequences"):
+            assert_tables_match(got[name], want[name], name, rtol=1e-12, atol=1e-13)
+
+
+def test_kernel_is_validated_and_native_fails_clearly_when_not_built(monkeypatch):
+    with pytest.raises(ValueError, match="kernel"):
+        MetricConfig(kernel="fast")
+    batch = make_case(1, num_sequences=3).batch("offsets")
+    monkeypatch.setattr(native, "library", lambda: None)
+    with pytest.raises(RuntimeError, match="not built"):
+        compute_stats(batch, NATIVE)
+    # auto falls back to the torch ops, and so do the statistics
+    assert_tables_match(compute_stats(batch, MetricConfig())["tokens"], compute_stats(batch, TORCH)["tokens"],
+                        "tokens")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("k", [1, 3, 8, 9])
+def test_routing_loop_matches_the_reference_for_every_width_and_top_k(dtype, k):
+    rng = np.random.default_rng(k)
+    n, L, experts = 400, 5, 12
+    te = np.stack([np.stack([rng.permutation(experts)[:k] for _ in range(L)]) for _ in range(n)])
+    se = te.copy()
+    for tok in range(0, n, 3):                                  # reorder: not a flip
+        se[tok, tok % L] = se[tok, tok % L][::-1]
+    for tok in range(0, n, 7):                                  # one expert outside: a flip
+        row = se[tok, (tok + 1) % L]
+        row[0] = next(e for e in range(experts) if e not in row)
+    dup = rng.random((n, L)) < 0.05                             # repeated ids: multisets count
+    se[dup, 0] = se[dup, -1]
+    cell = torch.from_numpy(rng.integers(0, 6, n))
+    t, s = torch.from_numpy(te).to(dtype), torch.from_numpy(se).to(dtype)
+    routed, any_flip, per_layer, _ = routing_counts(t, s, cell, 6, 1 << 18, compiled=True)
+    flips = reference_flips(te, se)                             # [n, L] bool
+    want = np.zeros((6, L), dtype=np.int64)
+    np.add.at(want, cell.numpy(), flips.astype(np.int64))
+    np.testing.assert_array_equal(per_layer.numpy(), want)
+    np.testing.assert_array_equal(any_flip.numpy(), np.bincount(cell.numpy()[flips.any(1)], minlength=6))
+    np.testing.assert_array_equal(routed.numpy(), np.bincount(cell.numpy(), minlength=6))
+    assert flips.any() and not flips.all()
+
+
+def test_routing_network_sorts_every_top8_byte_row():
+    # the 16-lane byte network of the top-8 path, on rows with many ties: both kernels compare
+    # the sorted ids (with repeated ids, [0, 0, 1] and [0, 1, 1] differ), as numpy's sort does
+    rng = np.random.default_rng(3)
+    te = rng.integers(0, 4, (5000, 1, 8)).astype(np.uint8)     # many ties
+    se = np.stack([rng.permutation(row) for row in te[:, 0]])[:, None, :]
+    change = rng.random(5000) < 0.3
+    se[change, 0, rng.integers(0, 8, change.sum())] = rng.integers(0, 4, change.sum())
+    cell = torch.zeros(5000, dtype=torch.int64)
+    _, _, per_layer, _ = routing_counts(torch.from_numpy(te), torch.from_numpy(se), cell, 1, 1 << 18,
+                                        compiled=True)
+    sorted_differ = (np.sort(te, -1) != np.sort(se, -1)).any(-1)
+    assert int(per_layer.sum()) == int(sorted_differ.sum()) > 0
+    _, _, torch_layer, _ = routing_counts(torch.from_numpy(te), torch.from_numpy(se), cell, 1, 1 << 18)
+    assert torch.equal(per_layer, torch_layer)
+    assert len(sorting_network(8)) == 19
