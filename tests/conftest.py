@@ -23,5 +23,5 @@ def each_kernel(request, monkeypatch):
     if request.param == "native":
         assert native.available(), "the compiled extension mismatch_monitor.engine._native was not built"
     else:
-        monkeypatch.setattr(native, "use_native", lambda config, device: False)
+        monkeypatch.setattr(native, "use_native", lambda config, device, num_tokens=0: False)
     return request.param

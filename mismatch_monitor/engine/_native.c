@@ -31,37 +31,27 @@ typedef struct {
     const double *region_bounds;    /* [R - 1] region boundaries of lr */
     const int64_t *slot_of_region;  /* [R] */
     const double *upper;            /* [NB] upper edge of each |lr| bin (last: +inf) */
-    const int32_t *lut;             /* first bin of each (exponent, top mantissa bits) key */
+    const int64_t *lut;             /* first bin of each (exponent, top mantissa bits) key */
     int64_t lut_shift, lut_base, lut_size;
     const double *series;           /* [N_SERIES] 1/2!, 1/3!, ...: rho - 1 - lr = lr^2 sum c_i lr^i */
     int64_t n_series;
 } TokenParams;
 
 #define N_SERIES 9
-#define JW 8                  /* per joint bin: count, lr, lr^2, k3, exp|lr|, rho^2, two unused */
+#define JW 8                  /* caller's joint bins: count, lr, lr^2, k3, exp|lr|, rho^2, unused */
+#define LW 4                  /* local joint bins: count, lr, k3, rho^2 */
 #define BLOCK 256             /* tokens per block: the block's arrays stay in L1 */
 
 /* A block of tokens: the vector stage fills it, the scalar stage adds it up. */
 typedef struct {
     double t[BLOCK], s[BLOCK];
-    double lr[BLOCK], k3[BLOCK], e_abs[BLOCK], rho2[BLOCK];   /* what the token adds */
-    int64_t joint[BLOCK];     /* lowprob bucket * R + slot */
-    int64_t region[BLOCK];
+    double lr[BLOCK], k3[BLOCK], e_abs[BLOCK], rho2[BLOCK];
+    int64_t cell[BLOCK];      /* token cell */
+    int64_t joint[BLOCK];     /* lowprob bucket * R + (lr > 0): the slot of a central lr */
+    int64_t slot[BLOCK];      /* lr > 0 */
     int64_t bin[BLOCK];       /* |lr| histogram bin */
-    int64_t ok[BLOCK];        /* valid: finite, no log-prob above tol */
+    int64_t rare[BLOCK];      /* invalid, or |lr| beyond the series or the central regions */
 } Block;
-
-/* The current cell's joint bins and histogram, kept small (in L1) while the tokens stay in the
- * cell, then added to the caller's arrays: adding token by token straight into the caller's
- * [cells x bins] arrays (megabytes) misses the cache on most tokens. */
-typedef struct {
-    double *joint;            /* [NL * R * JW] */
-    int64_t *joint_touched;   /* joint bins with counts, in first-touch order */
-    int64_t n_joint_touched;
-    int64_t *hist;            /* [NB] */
-    int64_t *touched;         /* histogram bins with counts, in first-touch order */
-    int64_t n_touched;
-} Local;
 
 static void load_block(const void *src, int dtype, int64_t start, int64_t m, double *dst) {
     if (dtype) {
@@ -72,14 +62,40 @@ static void load_block(const void *src, int dtype, int64_t start, int64_t m, dou
     }
 }
 
-/* Straight-line arithmetic over a block, written for the compiler to vectorize. With
+/* |lr| histogram bin of each lr: the lookup's first bin for the key (exponent and top mantissa
+ * bits), one step up if above that bin's upper edge. Branch-free, so that it vectorizes. */
+static inline __attribute__((always_inline)) void bins_of(const TokenParams *p, int64_t m,
+                                                          const double *restrict lr, int64_t *restrict out) {
+    const int64_t shift = p->lut_shift, base = p->lut_base, last = p->lut_size - 1, over = p->NB - 1;
+    const double zero_edge = p->upper[0], over_edge = p->upper[p->NB - 2];
+    const int64_t *restrict lut = p->lut;
+    const double *restrict upper = p->upper;
+    for (int64_t i = 0; i < m; i++) {
+        const double a = fabs(lr[i]);
+        union { double d; int64_t i; } bits = {a};
+        int64_t key = (bits.i >> shift) - base;
+        key = key < 0 ? 0 : key;
+        key = key > last ? last : key;
+        int64_t bin = lut[key];
+        const double up = upper[bin];
+        bin = bin + (a > up ? 1 : 0);
+        bin = a > zero_edge ? bin : 0;
+        out[i] = a > over_edge ? over : bin;
+    }
+}
+
+/* Straight-line loops over a block, written for the compiler to vectorize. With
  * P(x) = sum_i c_i x^i = E(x^2) + O(x) (even and odd parts; O has the sign of x):
  * rho - 1 - lr = lr^2 P(lr) and exp|lr| = 1 + |lr| + lr^2 P(|lr|) = 1 + |lr| + lr^2 (E + |O|).
- * Tokens with |lr| >= poly_max are redone with expm1/exp by the scalar stage; invalid ones
- * (ok = 0) are never read. */
-static inline void block_values(const TokenParams *p, int64_t m, Block *b) {
+ * Rare tokens (invalid, |lr| >= poly_max, or outside the two central regions) are finished by
+ * the scalar stage. */
+static inline void block_values(const TokenParams *p, int64_t m, Block *b, const int64_t *restrict seq,
+                                const int64_t *restrict turn, const int64_t *restrict seq_cell,
+                                const int64_t *restrict turn_table) {
     const double *c = p->series;
     const double tol = p->tol, lowest = -DBL_MAX;
+    const double rare_abs = p->poly_max < p->outlier_abs ? p->poly_max : p->outlier_abs;
+    const int64_t R = p->R;
     for (int64_t i = 0; i < m; i++) {
         const double t = b->t[i], s = b->s[i];
         const double lr = t - s, x2 = lr * lr, x4 = x2 * x2;
@@ -91,191 +107,213 @@ static inline void block_values(const TokenParams *p, int64_t m, Block *b) {
         b->k3[i] = k3;
         b->e_abs[i] = 1.0 + fabs(lr) + x2 * (even + fabs(odd));
         b->rho2[i] = rho * rho;
-        b->ok[i] = (t <= tol) & (s <= tol) & (t >= lowest) & (s >= lowest);
-        b->joint[i] = 0;
-        b->region[i] = 0;
+        const int64_t ok = (t <= tol) & (s <= tol) & (t >= lowest) & (s >= lowest);
+        b->rare[i] = !ok | (fabs(lr) >= rare_abs);
+        b->joint[i] = b->slot[i] = lr > 0;
     }
-    /* lowprob bucket = edges <= log p; region = bounds < lr, then its slot */
-    for (int64_t e = 0; e < p->NL - 1; e++) {
+    for (int64_t e = 0; e < p->NL - 1; e++) {      /* lowprob bucket = edges <= log p */
         const double edge = p->log_edges[e];
-        for (int64_t i = 0; i < m; i++) b->joint[i] += b->s[i] >= edge;
+        for (int64_t i = 0; i < m; i++) b->joint[i] += (b->s[i] >= edge) * R;
     }
-    for (int64_t e = 0; e < p->R - 1; e++) {
-        const double bound = p->region_bounds[e];
-        for (int64_t i = 0; i < m; i++) b->region[i] += bound < b->lr[i];
+    if (turn) {
+        const int64_t n_turn = p->n_turn, last = p->turn_last;
+        for (int64_t i = 0; i < m; i++) {
+            const int64_t tu = turn[i];
+            b->cell[i] = seq_cell[seq[i]] * n_turn + turn_table[tu > last ? last : tu];
+        }
+    } else {
+        for (int64_t i = 0; i < m; i++) b->cell[i] = seq_cell[seq[i]];
     }
-    const int64_t R = p->R;
-    for (int64_t i = 0; i < m; i++) b->joint[i] = b->joint[i] * R + p->slot_of_region[b->region[i]];
-    /* histogram bin: the lookup's first bin for the key, then one step up if above its edge */
-    const int64_t shift = p->lut_shift, base = p->lut_base, last = p->lut_size - 1, NB = p->NB;
-    const double zero_edge = p->upper[0], over_edge = p->upper[NB - 2];
-    for (int64_t i = 0; i < m; i++) {
-        const double a = fabs(b->lr[i]);
-        uint64_t bits;
-        memcpy(&bits, &a, sizeof bits);
-        int64_t key = (int64_t)(bits >> shift) - base;
-        key = key < 0 ? 0 : (key > last ? last : key);
-        int64_t bin = p->lut[key];
-        bin += a > p->upper[bin];
-        bin = a > zero_edge ? bin : 0;
-        b->bin[i] = a > over_edge ? NB - 1 : bin;
-    }
-}
-
-/* Adds the current cell's local bins into the caller's arrays and clears them. */
-static void flush_cell(int64_t nj, int64_t NB, Local *loc, int64_t cell, double *joint, int64_t *abs_hist) {
-    double *dst = joint + cell * nj * JW;
-    for (int64_t k = 0; k < loc->n_joint_touched; k++) {
-        const int64_t j = loc->joint_touched[k];
-        double *src = loc->joint + j * JW;
-        for (int w = 0; w < JW; w++) dst[j * JW + w] += src[w];
-        memset(src, 0, JW * sizeof(double));
-    }
-    loc->n_joint_touched = 0;
-    int64_t *h = abs_hist + cell * NB;
-    for (int64_t k = 0; k < loc->n_touched; k++) {
-        const int64_t b = loc->touched[k];
-        h[b] += loc->hist[b];
-        loc->hist[b] = 0;
-    }
-    loc->n_touched = 0;
+    bins_of(p, m, b->lr, b->bin);
 }
 
 typedef struct {
     double *joint, *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
-    int64_t *abs_hist, *n_nonfinite, *n_positive, *seq_invalid;
+    int32_t *abs_hist;        /* 32-bit: its hot part stays in L2 (see mm_token_pass) */
+    int64_t *n_nonfinite, *n_positive, *seq_invalid;
 } Out;
 
-/* Running values of the current sequence and of the current cell. */
-typedef struct {
-    int64_t seq, invalid;
-    double sum_lr, sum_exp_abs, max_abs;
-    int64_t cell;
-    double min_lr, max_lr;
-} Run;
-
-static inline void end_sequence(Run *r, const Out *out) {
-    if (r->seq < 0) return;
-    out->seq_invalid[r->seq] += r->invalid;
-    out->seq_sum_lr[r->seq] += r->sum_lr;
-    out->seq_sum_exp_abs[r->seq] += r->sum_exp_abs;
-    if (r->max_abs > out->seq_max_abs[r->seq]) out->seq_max_abs[r->seq] = r->max_abs;
+/* The current cell's joint bins and |lr| histogram are kept small (in L1) in `local` and
+ * `lhist` and added to the caller's arrays when the cell changes (adding each token straight
+ * into the [cells x bins] histogram of megabytes misses the cache on most tokens); `touched`
+ * lists the histogram bins with counts, in first-touch order; so are its sums of lr^2 and exp|lr| (read only as cell totals).
+ * Every column of the caller's joint bins means what it means in token_pass.py, where it is
+ * read: count, lr and k3 per (lowprob, slot) bin; rho^2 per slot, kept on the bin of lowprob
+ * bucket 0; lr^2 and exp|lr| per cell, kept on its first bin. */
+static void end_cell(const Out *out, int64_t nj, int64_t NB, int64_t cell, double *local, int64_t *lhist,
+                     const int64_t *touched, int64_t n_touched, double min_lr, double max_lr, double lr2,
+                     double exp_abs) {
+    int32_t *h = out->abs_hist + cell * NB;
+    for (int64_t k = 0; k < n_touched; k++) {
+        const int64_t b = touched[k];
+        h[b] += (int32_t)lhist[b];
+        lhist[b] = 0;
+    }
+    if (min_lr < out->min_lr[cell]) out->min_lr[cell] = min_lr;
+    if (max_lr > out->max_lr[cell]) out->max_lr[cell] = max_lr;
+    double *dst = out->joint + cell * nj * JW;
+    for (int64_t j = 0; j < nj; j++) {
+        double *src = local + j * LW;
+        if (src[0] == 0.0 && src[3] == 0.0) continue;
+        dst[j * JW + 0] += src[0];
+        dst[j * JW + 1] += src[1];
+        dst[j * JW + 3] += src[2];
+        dst[j * JW + 5] += src[3];
+        src[0] = src[1] = src[2] = src[3] = 0.0;
+    }
+    dst[2] += lr2;
+    dst[4] += exp_abs;
 }
 
-static inline void end_cell(Run *r, const Out *out, int64_t nj, int64_t NB, Local *loc) {
-    if (r->cell < 0) return;
-    if (r->min_lr < out->min_lr[r->cell]) out->min_lr[r->cell] = r->min_lr;
-    if (r->max_lr > out->max_lr[r->cell]) out->max_lr[r->cell] = r->max_lr;
-    flush_cell(nj, NB, loc, r->cell, out->joint, out->abs_hist);
+static void end_sequence(const Out *out, int64_t seq, int64_t invalid, double sum_lr, double sum_exp_abs,
+                         double max_abs) {
+    out->seq_invalid[seq] += invalid;
+    out->seq_sum_lr[seq] += sum_lr;
+    out->seq_sum_exp_abs[seq] += sum_exp_abs;
+    if (max_abs > out->seq_max_abs[seq]) out->seq_max_abs[seq] = max_abs;
 }
 
 /* Both stages over every block; built for AVX2 + FMA too, picked at load time where the CPU
- * has them. The scalar stage keeps what it updates per token in local variables, so that no
- * store can alias a pointer the compiler would then reload. */
+ * has them. The running values of the current sequence and cell are plain locals (registers):
+ * held in a struct whose address escapes, each += would go through memory. */
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 static int64_t token_blocks(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
                             int s_dtype, const int64_t *restrict seq, const int64_t *restrict turn,
                             const int64_t *restrict seq_cell, const int64_t *restrict turn_table,
-                            const Out *out, Local *loc, Block *restrict blk) {
-    const int64_t nj = p->NL * p->R, NB = p->NB, n_turn = p->n_turn, turn_last = p->turn_last;
-    const double poly_max = p->poly_max;
-    double *restrict ljoint = loc->joint;
-    int64_t *restrict lhist = loc->hist, *restrict jtouched = loc->joint_touched, *restrict htouched = loc->touched;
+                            const Out *out, double *restrict local, int64_t *restrict lhist,
+                            int64_t *restrict touched, Block *restrict blk) {
+    const int64_t nj = p->NL * p->R, NB = p->NB, R = p->R;
+    const double poly_max = p->poly_max, outlier_abs = p->outlier_abs;
     int64_t valid = 0;
-    Run r = {-1, 0, 0.0, 0.0, 0.0, -1, INFINITY, -INFINITY};
+    int64_t cur_seq = -1, seq_invalid = 0, cur_cell = -1;
+    double seq_lr = 0.0, seq_exp = 0.0, seq_max = 0.0;
+    double cell_min = INFINITY, cell_max = -INFINITY, cell_lr2 = 0.0, cell_exp = 0.0;
+    int64_t n_touched = 0;
     for (int64_t start = 0; start < n; start += BLOCK) {
         const int64_t m = n - start < BLOCK ? n - start : BLOCK;
         load_block(t, t_dtype, start, m, blk->t);
         load_block(s, s_dtype, start, m, blk->s);
-        block_values(p, m, blk);
+        block_values(p, m, blk, seq + start, turn ? turn + start : NULL, seq_cell, turn_table);
         for (int64_t k = 0; k < m; k++) {
-            const int64_t i = start + k;
-            const int64_t sq = seq[i];
-            int64_t cell = seq_cell[sq];
-            if (turn) {
-                const int64_t tu = turn[i];
-                cell = cell * n_turn + turn_table[tu > turn_last ? turn_last : tu];
+            const int64_t sq = seq[start + k], cell = blk->cell[k];
+            if (sq != cur_seq) {
+                if (cur_seq >= 0) end_sequence(out, cur_seq, seq_invalid, seq_lr, seq_exp, seq_max);
+                cur_seq = sq;
+                seq_invalid = 0;
+                seq_lr = seq_exp = seq_max = 0.0;
             }
-            if (sq != r.seq) {
-                end_sequence(&r, out);
-                r.seq = sq;
-                r.invalid = 0;
-                r.sum_lr = r.sum_exp_abs = r.max_abs = 0.0;
+            if (cell != cur_cell) {
+                if (cur_cell >= 0)
+                    end_cell(out, nj, NB, cur_cell, local, lhist, touched, n_touched, cell_min, cell_max,
+                             cell_lr2, cell_exp);
+                n_touched = 0;
+                cur_cell = cell;
+                cell_min = INFINITY;
+                cell_max = -INFINITY;
+                cell_lr2 = cell_exp = 0.0;
             }
-            if (cell != r.cell) {
-                end_cell(&r, out, nj, NB, loc);
-                r.cell = cell;
-                r.min_lr = INFINITY;
-                r.max_lr = -INFINITY;
-            }
-            if (!blk->ok[k]) {
-                if (!(isfinite(blk->t[k]) && isfinite(blk->s[k]))) out->n_nonfinite[cell]++;
-                else out->n_positive[cell]++;
-                r.invalid++;
-                continue;
-            }
-            valid++;
             const double lr = blk->lr[k], a = fabs(lr);
             double k3 = blk->k3[k], e_abs = blk->e_abs[k], rho2 = blk->rho2[k];
-            if (a >= poly_max) {                        /* the rare large |lr|: exactly */
-                const double em1 = expm1(lr);
-                k3 = em1 - lr;
-                e_abs = exp(a);
-                rho2 = (em1 + 1.0) * (em1 + 1.0);
+            int64_t jb = blk->joint[k], slot = blk->slot[k];
+            if (blk->rare[k]) {
+                const double tv = blk->t[k], sv = blk->s[k];
+                if (!(isfinite(tv) && isfinite(sv))) {
+                    out->n_nonfinite[cell]++;
+                    seq_invalid++;
+                    continue;
+                }
+                if (tv > p->tol || sv > p->tol) {
+                    out->n_positive[cell]++;
+                    seq_invalid++;
+                    continue;
+                }
+                if (a >= poly_max) {                     /* beyond the series: exactly */
+                    const double em1 = expm1(lr);
+                    k3 = em1 - lr;
+                    e_abs = exp(a);
+                    rho2 = (em1 + 1.0) * (em1 + 1.0);
+                }
+                if (a >= outlier_abs) {                  /* first boundary >= lr: its slot */
+                    int64_t region = 0;
+                    while (region < R - 1 && p->region_bounds[region] < lr) region++;
+                    slot = p->slot_of_region[region];
+                    jb += slot - (lr > 0);
+                }
             }
-            const int64_t jb = blk->joint[k];
-            double *j = ljoint + jb * JW;
-            jtouched[loc->n_joint_touched] = jb;        /* kept when it is the bin's first */
-            loc->n_joint_touched += j[0] == 0.0;
+            valid++;
+            double *j = local + jb * LW;
             j[0] += 1.0;
             j[1] += lr;
-            j[2] += lr * lr;
-            j[3] += k3;
-            j[4] += e_abs;
-            j[5] += rho2;
-
+            j[2] += k3;
+            local[slot * LW + 3] += rho2;
             const int64_t bin = blk->bin[k];
-            htouched[loc->n_touched] = bin;
-            loc->n_touched += lhist[bin]++ == 0;
-            r.min_lr = lr < r.min_lr ? lr : r.min_lr;
-            r.max_lr = lr > r.max_lr ? lr : r.max_lr;
-            r.sum_lr += lr;
-            r.sum_exp_abs += e_abs;
-            r.max_abs = a > r.max_abs ? a : r.max_abs;
+            touched[n_touched] = bin;                    /* kept when it is the bin's first */
+            n_touched += lhist[bin]++ == 0;
+            cell_lr2 += lr * lr;
+            cell_exp += e_abs;
+            cell_min = lr < cell_min ? lr : cell_min;
+            cell_max = lr > cell_max ? lr : cell_max;
+            seq_lr += lr;
+            seq_exp += e_abs;
+            seq_max = a > seq_max ? a : seq_max;
         }
     }
-    end_sequence(&r, out);
-    end_cell(&r, out, nj, NB, loc);
+    if (cur_seq >= 0) end_sequence(out, cur_seq, seq_invalid, seq_lr, seq_exp, seq_max);
+    if (cur_cell >= 0)
+        end_cell(out, nj, NB, cur_cell, local, lhist, touched, n_touched, cell_min, cell_max, cell_lr2, cell_exp);
     return valid;
 }
 
 /* Every token statistic of n tokens, added into the caller's arrays (see TokenAccumulators in
- * token_pass.py; `joint` is [cells * NL * R, JW]). Invalid tokens (non-finite, or a log-prob
+ * token_pass.py; `joint` is [cells * NL * R, JW]; `abs_hist` is [cells * NB] int32, for
+ * batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or a log-prob
  * above tol) count per cell and per sequence and touch nothing else. Returns the number of
  * valid tokens; -1 when the series has not the N_SERIES coefficients this file was compiled
  * for, -2 when memory runs out. */
 int64_t mm_token_pass(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
                       int s_dtype, const int64_t *seq, const int64_t *turn, const int64_t *seq_cell,
-                      const int64_t *turn_table, double *joint, int64_t *abs_hist, double *min_lr,
+                      const int64_t *turn_table, double *joint, int32_t *abs_hist, double *min_lr,
                       double *max_lr, int64_t *n_nonfinite, int64_t *n_positive, int64_t *seq_invalid,
                       double *seq_sum_lr, double *seq_sum_exp_abs, double *seq_max_abs) {
     if (p->n_series != N_SERIES) return -1;
-    const int64_t nj = p->NL * p->R;
-    Local loc = {calloc((size_t)(nj * JW), sizeof(double)), malloc((size_t)(nj + 1) * sizeof(int64_t)), 0,
-                 calloc((size_t)p->NB, sizeof(int64_t)), malloc((size_t)(p->NB + 1) * sizeof(int64_t)), 0};
-    Block *blk = aligned_alloc(64, sizeof(Block));
+    double *local = calloc((size_t)(p->NL * p->R * LW), sizeof(double));
+    int64_t *lhist = calloc((size_t)p->NB, sizeof(int64_t));
+    int64_t *touched = malloc((size_t)(p->NB + 1) * sizeof(int64_t));
+    Block *blk = malloc(sizeof(Block));
     int64_t valid = -2;
-    if (loc.joint && loc.joint_touched && loc.hist && loc.touched && blk) {
+    if (local && lhist && touched && blk) {
         Out out = {joint, min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
                    abs_hist, n_nonfinite, n_positive, seq_invalid};
-        valid = token_blocks(p, n, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out, &loc, blk);
+        valid = token_blocks(p, n, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out, local, lhist,
+                             touched, blk);
     }
-    free(loc.joint);
-    free(loc.joint_touched);
-    free(loc.hist);
-    free(loc.touched);
+    free(local);
+    free(lhist);
+    free(touched);
     free(blk);
     return valid;
+}
+
+/* ------------------------------------------------------------------ non-zero entries */
+
+/* Indices of the non-zero entries of values[0..n) (`size` bytes each: 4 or 8), ascending,
+ * into out; returns how many. */
+int64_t mm_nonzero(const void *values, int64_t n, int64_t size, int64_t *out) {
+    int64_t k = 0;
+    if (size == 4) {
+        const int32_t *v = values;
+        for (int64_t i = 0; i < n; i++) {
+            out[k] = i;
+            k += v[i] != 0;
+        }
+    } else {
+        const int64_t *v = values;
+        for (int64_t i = 0; i < n; i++) {
+            out[k] = i;
+            k += v[i] != 0;
+        }
+    }
+    return k;
 }
 
 /* ------------------------------------------------------------------ routing flips */

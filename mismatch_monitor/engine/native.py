@@ -57,6 +57,8 @@ def library() -> ctypes.CDLL | None:
     lib.mm_token_pass.restype = _I
     lib.mm_token_pass.argtypes = [ctypes.POINTER(TokenParams), _I, _P, ctypes.c_int, _P, ctypes.c_int,
                                   _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+    lib.mm_nonzero.restype = _I
+    lib.mm_nonzero.argtypes = [_P, _I, _I, _P]
     lib.mm_routing_flips.restype = _I
     lib.mm_routing_flips.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P]
     return lib
@@ -66,11 +68,17 @@ def available() -> bool:
     return library() is not None
 
 
-def use_native(config: MetricConfig, device: torch.device) -> bool:
-    """Whether the engine takes the compiled loops for data on ``device``."""
-    if config.kernel == "torch" or device.type != "cpu":
+MAX_TOKENS = (1 << 31) - 1   # the compiled pass counts histogram bins in 32 bits
+
+
+def use_native(config: MetricConfig, device: torch.device, num_tokens: int = 0) -> bool:
+    """Whether the engine takes the compiled loops for ``num_tokens`` tokens on ``device``."""
+    if config.kernel == "torch" or device.type != "cpu" or num_tokens > MAX_TOKENS:
         if config.kernel == "native" and device.type != "cpu":
             raise ValueError(f"MetricConfig.kernel='native' runs on CPU tensors only, got {device}")
+        if config.kernel == "native" and num_tokens > MAX_TOKENS:
+            raise ValueError(f"MetricConfig.kernel='native' takes up to {MAX_TOKENS} tokens a batch, "
+                             f"got {num_tokens}")
         return False
     if library() is None:
         if config.kernel == "native":
@@ -97,7 +105,7 @@ def bin_lookup(bins: LogBins) -> tuple[np.ndarray, np.ndarray, int, int]:
     hi = int(np.array(upper[-2]).view(np.int64)) >> shift
     keys = np.arange(lo, hi + 1, dtype=np.int64)
     first = (keys << shift).view(np.float64)                         # smallest value of each key
-    lut = np.searchsorted(upper, first, side="left").astype(np.int32)
+    lut = np.searchsorted(upper, first, side="left").astype(np.int64)
     return upper, lut, shift, lo
 
 
@@ -127,7 +135,8 @@ class TokenKernel:
 
     def run(self, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor, turn: torch.Tensor | None,
             seq_cell: torch.Tensor, turn_table: torch.Tensor | None, joint: torch.Tensor, acc) -> int:
-        """One range of tokens into ``joint`` ([J, JW] float64) and the accumulators ``acc``."""
+        """One range of tokens into ``joint`` ([J, JW] float64) and the accumulators ``acc``, whose
+        ``abs_hist`` is int32 here (see token_pass.py)."""
         t, s = _float(t), _float(s)
         valid = library().mm_token_pass(
             ctypes.byref(self.params), t.numel(), _ptr(t), _DTYPES[t.dtype], _ptr(s), _DTYPES[s.dtype],
@@ -158,3 +167,15 @@ def routing_flips(trainer: torch.Tensor, sampler: torch.Tensor, cell: torch.Tens
     if total < 0:
         raise ValueError(f"the compiled routing loop takes top-k up to 64, got K={K}")
     return total
+
+
+def flat_nonzero(values: np.ndarray) -> np.ndarray:
+    """``np.flatnonzero`` of a 1-D int32 or int64 array: by one branch-free loop when the
+    extension is built (numpy counts first and then fills, ~4 ns an element; this ~1)."""
+    values = np.ascontiguousarray(values)
+    kind = {np.dtype(np.int64): 8, np.dtype(np.int32): 4}.get(values.dtype)
+    if kind is None or values.ndim != 1 or values.size < (1 << 16) or library() is None:
+        return np.flatnonzero(values)
+    out = np.empty(values.size, dtype=np.int64)
+    k = library().mm_nonzero(_ptr(values), values.size, kind, _ptr(out))
+    return out[:k].copy() if k < values.size // 2 else out[:k]

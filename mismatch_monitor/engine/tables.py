@@ -10,11 +10,13 @@ from typing import Mapping
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from .fields import SEQ_HIST_KINDS
+from . import native
 from .histogram import LogBins
 from .slicing import Cells
 from .stats import empty_table, table_schema
@@ -47,12 +49,22 @@ def frame(table: str, dims: list[str], columns: Columns) -> pd.DataFrame:
     return pd.DataFrame(typed_columns(table, dims, columns), copy=False)
 
 
+def take_rows(values: object, rows: np.ndarray) -> object:
+    """Rows of a key or value column (extension array or numpy). A string column without any
+    value (a label the batch does not carry) is made as nulls, not copied row by row."""
+    if isinstance(values, pd.arrays.ArrowStringArray) and len(rows) > 4096 and values.isna().all():
+        return pd.arrays.ArrowStringArray(pa.nulls(len(rows), pa.array(values).type))
+    if isinstance(values, pd.api.extensions.ExtensionArray):
+        return values.take(rows)
+    return np.asarray(values)[rows]
+
+
 def sparse_columns(table: str, dims: list[str], keys: Columns, width: int, key: str,
                    values: Mapping[str, np.ndarray], nonzero: np.ndarray) -> dict[str, object]:
     """Rows (cell, index) where ``nonzero`` [C * width] is non-zero; values are [C * width]."""
-    idx = np.flatnonzero(nonzero)
+    idx = native.flat_nonzero(nonzero)
     cell = idx // width
-    columns: dict[str, object] = {c: v.take(cell) for c, v in keys.items()}
+    columns: dict[str, object] = {c: take_rows(v, cell) for c, v in keys.items()}
     columns[key] = idx % width
     columns.update({name: v[idx] for name, v in values.items()})
     return typed_columns(table, dims, columns)
@@ -131,8 +143,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
     keep = (n_tokens + data["n_nonfinite"] + data["n_positive_logprob"] + data["n_routed_tokens"]
             + data["n_support_known"]) > 0
     idx = np.flatnonzero(keep)
-    rows = {k: (v.take(idx) if isinstance(v, pd.api.extensions.ExtensionArray) else np.asarray(v)[idx])
-            for k, v in data.items()}
+    rows = {k: take_rows(v, idx) for k, v in data.items()}
     return typed_columns("tokens", dims, rows)
 
 
@@ -204,17 +215,22 @@ def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, con
         data["n_stale_known"] = data["sum_staleness"] = zeros
         data["max_staleness"] = np.full(S, np.nan)
     seq_idx = np.flatnonzero(data["n_sequences"] > 0)
-    seq_cols = typed_columns("sequences", dims, {k: (v.take(seq_idx) if isinstance(v, pd.api.extensions.ExtensionArray)
-                                           else np.asarray(v)[seq_idx]) for k, v in data.items()})
+    seq_cols = typed_columns("sequences", dims, {k: take_rows(v, seq_idx) for k, v in data.items()})
 
+    # the three kinds in one table, from the distinct (kind, cell, bin) keys of the sequences
+    # (a few per sequence: sorting them beats a dense count over every cell and bin)
     bins = LogBins.from_config(config)
     width = 2 * bins.num_bins - 1                       # signed bins -(NB-1)..NB-1
-    frames = []
-    for kind, values in zip(SEQ_HIST_KINDS, (seq_lr, mean_lr, max_abs)):
-        signed = np_(bins.signed_index(torch.from_numpy(values)))
-        counts = np.bincount(cell * width + signed + (bins.num_bins - 1), minlength=(S + 1) * width)
-        part = sparse("seq_hist", dims, {**keys, "kind": pd.array([kind] * S, dtype="string")}, width, "bin",
-                      {"count": counts}, counts[: S * width])
-        part["bin"] -= bins.num_bins - 1
-        frames.append(part)
-    return seq_cols, pd.concat(frames, ignore_index=True), stale_rows
+    K = len(SEQ_HIST_KINDS)
+    kept = np.flatnonzero(ok)
+    signed = np.concatenate([np_(bins.signed_index(torch.from_numpy(v[kept]))) for v in (seq_lr, mean_lr, max_abs)])
+    kind_cell = np.repeat(np.arange(K) * S, len(kept)) + np.tile(cell[kept], K)
+    key, counts = np.unique(kind_cell * width + signed + (bins.num_bins - 1), return_counts=True)
+    kind_cell, b = np.divmod(key, width)
+    kind, c = np.divmod(kind_cell, S)
+    columns: dict[str, object] = {k: take_rows(v, c) for k, v in keys.items()}
+    columns["kind"] = pd.array(np.array(SEQ_HIST_KINDS, dtype=object)[kind], dtype="string")
+    columns["bin"] = b - (bins.num_bins - 1)
+    columns["count"] = counts
+    seq_hist = frame("seq_hist", dims, columns)
+    return seq_cols, seq_hist, stale_rows

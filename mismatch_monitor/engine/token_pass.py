@@ -42,7 +42,7 @@ class TokenAccumulators:
 
     joint_n: torch.Tensor       # [(C + 1) * NL * R] int64, J = (cell * NL + lowprob) * R + slot
     joint_sums: torch.Tensor    # [len(JOINT_SUMS), (C + 1) * NL * R] float64
-    abs_hist: torch.Tensor      # [(C + 1) * NB] int64
+    abs_hist: torch.Tensor      # [(C + 1) * NB] int64 (int32 from the compiled pass, fewer than 2^31 tokens)
     min_lr: torch.Tensor        # [C + 1] float64
     max_lr: torch.Tensor        # [C + 1] float64
     n_nonfinite: torch.Tensor   # [C + 1] int64
@@ -57,12 +57,13 @@ class TokenAccumulators:
     seq_max_abs: torch.Tensor
 
     @classmethod
-    def zeros(cls, C: int, B: int, J: int, NB: int, device: torch.device) -> "TokenAccumulators":
+    def zeros(cls, C: int, B: int, J: int, NB: int, device: torch.device,
+              hist_dtype: torch.dtype = torch.int64) -> "TokenAccumulators":
         f64, i64 = torch.float64, torch.int64
         z = lambda n, dt=i64: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         return cls(
             joint_n=z(J), joint_sums=torch.zeros(len(JOINT_SUMS), J, dtype=f64, device=device),
-            abs_hist=z((C + 1) * NB),
+            abs_hist=z((C + 1) * NB, hist_dtype),
             min_lr=torch.full((C + 1,), math.inf, dtype=f64, device=device),
             max_lr=torch.full((C + 1,), -math.inf, dtype=f64, device=device),
             n_nonfinite=z(C + 1), n_positive=z(C + 1), n_support_known=z(C + 1),
@@ -106,7 +107,9 @@ def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
     bins = LogBins.from_config(config)
     turn_table = None if batch.turn_index is None else bucket_table(config.turn_edges, batch.device)
     kernel = None
-    if native.use_native(config, batch.device):
+    # the compiled pass counts histogram bins in 32 bits: batches of 2^31 tokens and more
+    # (51 GB of inputs) take the torch ops
+    if native.use_native(config, batch.device, batch.num_tokens):
         kernel = native.TokenKernel.build(config, coder, bins, cells.num_turn_buckets,
                                           0 if turn_table is None else turn_table.numel() - 1)
     return _Plan(
@@ -232,26 +235,31 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
     starts = list(range(0, N, chunk))
 
     def run(my_starts: list[int]) -> TokenAccumulators:
-        acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
         if plan.kernel is not None:
+            # the compiled pass counts into 32-bit histogram bins (half the cache lines; no
+            # count can reach 2^31 in a batch of fewer tokens, see _plan); the non-zero ones
+            # are widened when the table is made
+            acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device, torch.int32)
             joint = torch.zeros(plan.J, native.JW, dtype=torch.float64)
             for st in my_starts:
                 _native_chunk(acc, joint, batch, cells, plan, st, min(st + chunk, N))
             _fold_joint(acc, joint)
             return acc
+        acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
         ones = torch.ones(min(chunk, N), dtype=torch.int64, device=batch.device)
         for st in my_starts:
             _pass_chunk(acc, batch, cells, plan, st, min(st + chunk, N), ones)
         return acc
 
     if workers <= 1 or len(starts) < 2:
-        return run(starts)
-    # contiguous shares keep each worker's sequences (and their accumulator lines) apart
-    per = math.ceil(len(starts) / workers)
-    shares = [starts[i:i + per] for i in range(0, len(starts), per)]
-    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
-        results = list(pool.map(run, shares))
-    total = results[0]
-    for other in results[1:]:
-        total.merge_(other)
+        total = run(starts)
+    else:
+        # contiguous shares keep each worker's sequences (and their accumulator lines) apart
+        per = math.ceil(len(starts) / workers)
+        shares = [starts[i:i + per] for i in range(0, len(starts), per)]
+        with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+            results = list(pool.map(run, shares))
+        total = results[0]
+        for other in results[1:]:
+            total.merge_(other)
     return total
