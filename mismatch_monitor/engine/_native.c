@@ -38,8 +38,7 @@ typedef struct {
 } TokenParams;
 
 #define N_SERIES 9
-#define JW 8                  /* caller's joint bins: count, lr, lr^2, k3, exp|lr|, rho^2, unused */
-#define LW 4                  /* local joint bins: count, lr, k3, rho^2 */
+#define LW 4                  /* joint bins, local and the caller's: count, lr, k3, rho^2 */
 #define BLOCK 256             /* tokens per block: the block's arrays stay in L1 */
 
 /* A block of tokens: the vector stage fills it, the scalar stage adds it up. */
@@ -128,7 +127,7 @@ static inline void block_values(const TokenParams *p, int64_t m, Block *b, const
 }
 
 typedef struct {
-    double *joint, *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
+    double *joint, *cell_sums, *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
     int32_t *abs_hist;        /* 32-bit: its hot part stays in L2 (see mm_token_pass) */
     int64_t *n_nonfinite, *n_positive, *seq_invalid;
 } Out;
@@ -136,10 +135,9 @@ typedef struct {
 /* The current cell's joint bins and |lr| histogram are kept small (in L1) in `local` and
  * `lhist` and added to the caller's arrays when the cell changes (adding each token straight
  * into the [cells x bins] histogram of megabytes misses the cache on most tokens); `touched`
- * lists the histogram bins with counts, in first-touch order; so are its sums of lr^2 and exp|lr| (read only as cell totals).
- * Every column of the caller's joint bins means what it means in token_pass.py, where it is
- * read: count, lr and k3 per (lowprob, slot) bin; rho^2 per slot, kept on the bin of lowprob
- * bucket 0; lr^2 and exp|lr| per cell, kept on its first bin. */
+ * lists the histogram bins with counts, in first-touch order. The joint bins hold what
+ * token_pass.py reads per (lowprob, slot) bin: count, lr and k3; and rho^2 per slot, kept on
+ * the bin of lowprob bucket 0. Sums of lr^2 and exp|lr| are read only per cell: `cell_sums`. */
 static void end_cell(const Out *out, int64_t nj, int64_t NB, int64_t cell, double *local, int64_t *lhist,
                      const int64_t *touched, int64_t n_touched, double min_lr, double max_lr, double lr2,
                      double exp_abs) {
@@ -151,18 +149,17 @@ static void end_cell(const Out *out, int64_t nj, int64_t NB, int64_t cell, doubl
     }
     if (min_lr < out->min_lr[cell]) out->min_lr[cell] = min_lr;
     if (max_lr > out->max_lr[cell]) out->max_lr[cell] = max_lr;
-    double *dst = out->joint + cell * nj * JW;
+    double *dst = out->joint + cell * nj * LW;
     for (int64_t j = 0; j < nj; j++) {
         double *src = local + j * LW;
         if (src[0] == 0.0 && src[3] == 0.0) continue;
-        dst[j * JW + 0] += src[0];
-        dst[j * JW + 1] += src[1];
-        dst[j * JW + 3] += src[2];
-        dst[j * JW + 5] += src[3];
-        src[0] = src[1] = src[2] = src[3] = 0.0;
+        for (int w = 0; w < LW; w++) {
+            dst[j * LW + w] += src[w];
+            src[w] = 0.0;
+        }
     }
-    dst[2] += lr2;
-    dst[4] += exp_abs;
+    out->cell_sums[2 * cell] += lr2;
+    out->cell_sums[2 * cell + 1] += exp_abs;
 }
 
 static void end_sequence(const Out *out, int64_t seq, int64_t invalid, double sum_lr, double sum_exp_abs,
@@ -265,14 +262,16 @@ static int64_t token_blocks(const TokenParams *p, int64_t n, const void *t, int 
 }
 
 /* Every token statistic of n tokens, added into the caller's arrays (see TokenAccumulators in
- * token_pass.py; `joint` is [cells * NL * R, JW]; `abs_hist` is [cells * NB] int32, for
+ * token_pass.py; `joint` is [cells * NL * R, LW], `cell_sums` [cells, 2] (sums of lr^2 and of
+ * exp|lr|); `abs_hist` is [cells * NB] int32, for
  * batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or a log-prob
  * above tol) count per cell and per sequence and touch nothing else. Returns the number of
  * valid tokens; -1 when the series has not the N_SERIES coefficients this file was compiled
  * for, -2 when memory runs out. */
 int64_t mm_token_pass(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
                       int s_dtype, const int64_t *seq, const int64_t *turn, const int64_t *seq_cell,
-                      const int64_t *turn_table, double *joint, int32_t *abs_hist, double *min_lr,
+                      const int64_t *turn_table, double *joint, double *cell_sums, int32_t *abs_hist,
+                      double *min_lr,
                       double *max_lr, int64_t *n_nonfinite, int64_t *n_positive, int64_t *seq_invalid,
                       double *seq_sum_lr, double *seq_sum_exp_abs, double *seq_max_abs) {
     if (p->n_series != N_SERIES) return -1;
@@ -282,7 +281,7 @@ int64_t mm_token_pass(const TokenParams *p, int64_t n, const void *t, int t_dtyp
     Block *blk = malloc(sizeof(Block));
     int64_t valid = -2;
     if (local && lhist && touched && blk) {
-        Out out = {joint, min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
+        Out out = {joint, cell_sums, min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
                    abs_hist, n_nonfinite, n_positive, seq_invalid};
         valid = token_blocks(p, n, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out, local, lhist,
                              touched, blk);

@@ -29,7 +29,7 @@ from .histogram import LogBins
 if TYPE_CHECKING:
     from .regions import JointCoder
 
-JW = 8                      # doubles per joint bin in the compiled pass (see _native.c)
+JW = 4                      # doubles per joint bin in the compiled pass: count, lr, k3, rho^2
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _DTYPES = {torch.float32: 0, torch.float64: 1}
@@ -56,7 +56,7 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     lib.mm_token_pass.restype = _I
     lib.mm_token_pass.argtypes = [ctypes.POINTER(TokenParams), _I, _P, ctypes.c_int, _P, ctypes.c_int,
-                                  _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+                                  _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
     lib.mm_nonzero.restype = _I
     lib.mm_nonzero.argtypes = [_P, _I, _I, _P]
     lib.mm_routing_flips.restype = _I
@@ -134,13 +134,16 @@ class TokenKernel:
         return cls(params, keep)
 
     def run(self, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor, turn: torch.Tensor | None,
-            seq_cell: torch.Tensor, turn_table: torch.Tensor | None, joint: torch.Tensor, acc) -> int:
-        """One range of tokens into ``joint`` ([J, JW] float64) and the accumulators ``acc``, whose
-        ``abs_hist`` is int32 here (see token_pass.py)."""
+            seq_cell: torch.Tensor, turn_table: torch.Tensor | None, joint: torch.Tensor,
+            cell_sums: torch.Tensor, acc) -> int:
+        """One range of tokens into ``joint`` ([J, JW] float64: count, lr, k3 per bin, rho^2 per
+        slot on the bins of lowprob bucket 0), ``cell_sums`` ([cells, 2]: sums of lr^2 and
+        exp|lr|) and the accumulators ``acc``, whose ``abs_hist`` is int32 here."""
         t, s = _float(t), _float(s)
         valid = library().mm_token_pass(
             ctypes.byref(self.params), t.numel(), _ptr(t), _DTYPES[t.dtype], _ptr(s), _DTYPES[s.dtype],
-            _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(joint), _ptr(acc.abs_hist),
+            _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(joint), _ptr(cell_sums),
+            _ptr(acc.abs_hist),
             _ptr(acc.min_lr), _ptr(acc.max_lr), _ptr(acc.n_nonfinite), _ptr(acc.n_positive),
             _ptr(acc.seq_invalid), _ptr(acc.seq_sum_lr), _ptr(acc.seq_sum_exp_abs), _ptr(acc.seq_max_abs))
         if valid == -2:

@@ -184,13 +184,13 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
     acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
 
 
-def _native_chunk(acc: TokenAccumulators, joint: torch.Tensor, batch: TokenBatch, cells: Cells, p: _Plan,
-                  start: int, stop: int) -> None:
+def _native_chunk(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.Tensor, batch: TokenBatch,
+                  cells: Cells, p: _Plan, start: int, stop: int) -> None:
     """The compiled pass over one chunk; the optional support inputs go through torch ops."""
     seq = batch.seq_index[start:stop]
     turn = None if batch.turn_index is None else batch.turn_index[start:stop]
     p.kernel.run(batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop], seq, turn,
-                 cells.seq_cell, p.turn_table, joint, acc)
+                 cells.seq_cell, p.turn_table, joint, cell_sums, acc)
     if batch.in_trainer_support is None and batch.sampler_kept_logmass is None:
         return
     cell = cells.token_cells(seq, turn, p.turn_table)
@@ -208,10 +208,19 @@ def _native_chunk(acc: TokenAccumulators, joint: torch.Tensor, batch: TokenBatch
         acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
 
 
-def _fold_joint(acc: TokenAccumulators, joint: torch.Tensor) -> None:
-    """The compiled pass's [J, JW] joint bins (count, then JOINT_SUMS) into the accumulators."""
+def _fold_joint(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.Tensor, p: _Plan) -> None:
+    """The compiled pass's joint bins ([J, JW]: count, lr, k3, rho^2) and per-cell sums
+    ([C + 1, 2]: lr^2, exp|lr|) into the accumulators. The tables read lr^2 and exp|lr| only
+    per cell and rho^2 only per (cell, slot), summed over lowprob buckets (tables.py), so the
+    per-cell sums go to each cell's first bin and rho^2 stays where the pass put it."""
+    sums = dict(zip(JOINT_SUMS, acc.joint_sums))
     acc.joint_n += joint[:, 0].to(torch.int64)
-    acc.joint_sums += joint[:, 1:1 + len(JOINT_SUMS)].T
+    sums["lr"] += joint[:, 1]
+    sums["k3"] += joint[:, 2]
+    sums["rho2"] += joint[:, 3]
+    first = torch.arange(p.C + 1) * (p.NL * p.R)
+    sums["lr2"][first] += cell_sums[:, 0]
+    sums["exp_abs"][first] += cell_sums[:, 1]
 
 
 def _add_per_sequence(acc: TokenAccumulators, seq: torch.Tensor, lr: torch.Tensor, exp_abs: torch.Tensor) -> None:
@@ -241,9 +250,10 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
             # are widened when the table is made
             acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device, torch.int32)
             joint = torch.zeros(plan.J, native.JW, dtype=torch.float64)
+            cell_sums = torch.zeros(plan.C + 1, 2, dtype=torch.float64)
             for st in my_starts:
-                _native_chunk(acc, joint, batch, cells, plan, st, min(st + chunk, N))
-            _fold_joint(acc, joint)
+                _native_chunk(acc, joint, cell_sums, batch, cells, plan, st, min(st + chunk, N))
+            _fold_joint(acc, joint, cell_sums, plan)
             return acc
         acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
         ones = torch.ones(min(chunk, N), dtype=torch.int64, device=batch.device)
