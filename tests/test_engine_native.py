@@ -152,3 +152,22 @@ def test_routing_network_sorts_every_top8_byte_row():
     _, _, torch_layer, _ = routing_counts(torch.from_numpy(te), torch.from_numpy(se), cell, 1, 1 << 18)
     assert torch.equal(per_layer, torch_layer)
     assert len(sorting_network(8)) == 19
+
+
+def test_batches_past_32_bit_counts_take_the_torch_ops():
+    # the compiled pass counts histogram bins in 32 bits: a batch that could overflow them is
+    # routed to the torch ops, and kernel="native" says why instead of overflowing
+    cpu = torch.device("cpu")
+    assert native.use_native(MetricConfig(), cpu, native.MAX_TOKENS)
+    assert not native.use_native(MetricConfig(), cpu, native.MAX_TOKENS + 1)
+    with pytest.raises(ValueError, match="tokens a batch"):
+        native.use_native(NATIVE, cpu, native.MAX_TOKENS + 1)
+    assert not native.use_native(TORCH, cpu, 10)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_flat_nonzero_matches_numpy(dtype):
+    rng = np.random.default_rng(7)
+    for size, density in ((70_000, 0.0), (70_000, 0.3), (200_003, 0.9), (100, 0.5)):
+        values = (rng.random(size) < density).astype(dtype) * rng.integers(-3, 4, size).astype(dtype)
+        np.testing.assert_array_equal(native.flat_nonzero(values), np.flatnonzero(values))
