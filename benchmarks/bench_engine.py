@@ -7,7 +7,9 @@ Per size N (fp32 log-probs, 6 pools x 4 hardware x 8 length x 8 turn buckets = 1
 
 * floor   - the memory-read floor: one reduction over every tensor the engine reads (trainer and
             sampler log-probs in their own dtype, sequence and turn index), no temporaries;
-* engine  - ``compute_stats`` (every table, including the pandas assembly of the output);
+* engine  - ``compute_stats`` (every table, including the pandas assembly of the output), with the
+            compiled per-token loops when they were built; ``torch ops ms`` is the same call with
+            ``MetricConfig(kernel="torch")``, the implementation that runs on GPUs;
 * naive   - a boolean mask per token cell and per sequence cell in a Python loop, ``torch.quantile``
             for the tails (it raises above 2^24 elements, so larger cells fall back to a sort).
             Above ``--naive-cells`` cells only an evenly spaced subset of the cells is timed and the
@@ -27,6 +29,7 @@ uint8 expert ids, the engine's flip count against one read of both id tensors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import math
 import os
@@ -49,6 +52,7 @@ from mismatch_monitor.engine.routing import routing_counts
 
 POOLS, HARDWARE = 6, 4
 CONFIG = MetricConfig(turn_edges=(1, 2, 3, 4, 6, 8, 12))  # 8 turn buckets
+TORCH_OPS = dataclasses.replace(CONFIG, kernel="torch")
 QS = (0.5, 0.9, 0.99, 0.999)
 QUANTILE_LIMIT = 1 << 24
 
@@ -342,7 +346,7 @@ def main() -> None:
           f"times are the best of the repeats; x floor = time / the fastest read floor of that N")
     header = (f"{'N':>6} {'thr':>3} {'floor ms':>9} {'GB/s':>6} {'engine ms':>10} {'x floor':>8} "
               f"{'eng w=2 ms':>10} {'x floor':>8} {'naive s':>9} {'naive/eng':>9} {'pandas s':>9} "
-              f"{'pandas/eng':>10} {'eng MiB':>8}")
+              f"{'pandas/eng':>10} {'eng MiB':>8} {'torch ops ms':>12}")
     rows = []
     print(header)
     pandas_rate = None
@@ -362,9 +366,11 @@ def main() -> None:
             torch.set_num_threads(th)
             floor_t = floors[th]
             eng_t, _ = timed(lambda: compute_stats(d.batch, CONFIG), repeat)
-            eng2_t = None
+            eng2_t = torch_t = None
             if th == 1:  # two Python threads, each running single-threaded ops
                 eng2_t, _ = timed(lambda: compute_stats(d.batch, CONFIG, workers=2), repeat)
+                # the torch implementation of the same pass (GPUs, installs without a compiler)
+                torch_t, _ = timed(lambda: compute_stats(d.batch, TORCH_OPS), repeat)
             if naive_s is None:
                 est, timed_cells, all_cells = naive(d, args.naive_cells)
                 naive_s = est
@@ -382,7 +388,7 @@ def main() -> None:
                 + (f"{eng2_t * 1e3:10.1f} {eng2_t / best_floor:8.1f} " if eng2_t else f"{'-':>10} {'-':>8} ")
                 + f"{naive_note}{naive_s:8.2f} {naive_s / best:9.0f} "
                 + (f"{pandas_note}{pandas_s:8.2f} {pandas_s / best:10.0f} " if pandas_s else f"{'-':>9} {'-':>10} ")
-                + f"{eng_mem:8.0f}")
+                + f"{eng_mem:8.0f} " + (f"{torch_t * 1e3:12.1f}" if torch_t else f"{'-':>12}"))
             print(rows[-1], flush=True)
         del d
         gc.collect()
