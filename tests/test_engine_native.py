@@ -171,3 +171,16 @@ def test_flat_nonzero_matches_numpy(dtype):
     for size, density in ((70_000, 0.0), (70_000, 0.3), (200_003, 0.9), (100, 0.5)):
         values = (rng.random(size) < density).astype(dtype) * rng.integers(-3, 4, size).astype(dtype)
         np.testing.assert_array_equal(native.flat_nonzero(values), np.flatnonzero(values))
+
+
+def test_ids_out_of_range_raise_instead_of_reading_past_the_arrays():
+    # a batch built without TokenBatch's checks: the compiled pass refuses it (an error the
+    # collector catches) instead of reading memory past its tables
+    import dataclasses
+
+    batch = make_case(2, num_sequences=5).batch("offsets")
+    for bad in (dataclasses.replace(batch, seq_index=batch.seq_index.clone().fill_(batch.num_sequences)),
+                dataclasses.replace(batch, seq_index=batch.seq_index.clone().fill_(-1)),
+                dataclasses.replace(batch, turn_index=batch.turn_index.clone().fill_(-3))):
+        with pytest.raises(IndexError, match="out of range|expected seq_index"):
+            compute_stats(bad, NATIVE)

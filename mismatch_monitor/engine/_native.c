@@ -35,6 +35,7 @@ typedef struct {
     int64_t lut_shift, lut_base, lut_size;
     const double *series;           /* [N_SERIES] 1/2!, 1/3!, ...: rho - 1 - lr = lr^2 sum c_i lr^i */
     int64_t n_series;
+    int64_t n_seq;                  /* sequences: seq ids lie in [0, n_seq) */
 } TokenParams;
 
 #define N_SERIES 9
@@ -88,9 +89,9 @@ static inline __attribute__((always_inline)) void bins_of(const TokenParams *p, 
  * rho - 1 - lr = lr^2 P(lr) and exp|lr| = 1 + |lr| + lr^2 P(|lr|) = 1 + |lr| + lr^2 (E + |O|).
  * Rare tokens (invalid, |lr| >= poly_max, or outside the two central regions) are finished by
  * the scalar stage. */
-static inline void block_values(const TokenParams *p, int64_t m, Block *b, const int64_t *restrict seq,
-                                const int64_t *restrict turn, const int64_t *restrict seq_cell,
-                                const int64_t *restrict turn_table) {
+static inline int block_values(const TokenParams *p, int64_t m, Block *b, const int64_t *restrict seq,
+                               const int64_t *restrict turn, const int64_t *restrict seq_cell,
+                               const int64_t *restrict turn_table) {
     const double *c = p->series;
     const double tol = p->tol, lowest = -DBL_MAX;
     const double rare_abs = p->poly_max < p->outlier_abs ? p->poly_max : p->outlier_abs;
@@ -114,6 +115,12 @@ static inline void block_values(const TokenParams *p, int64_t m, Block *b, const
         const double edge = p->log_edges[e];
         for (int64_t i = 0; i < m; i++) b->joint[i] += (b->s[i] >= edge) * R;
     }
+    /* ids out of range (a batch built without validation) stop the pass before any lookup */
+    uint64_t bad = 0;
+    for (int64_t i = 0; i < m; i++) bad |= (uint64_t)seq[i] >= (uint64_t)p->n_seq;
+    if (turn)
+        for (int64_t i = 0; i < m; i++) bad |= (uint64_t)(turn[i] < 0);
+    if (bad) return 0;
     if (turn) {
         const int64_t n_turn = p->n_turn, last = p->turn_last;
         for (int64_t i = 0; i < m; i++) {
@@ -124,6 +131,7 @@ static inline void block_values(const TokenParams *p, int64_t m, Block *b, const
         for (int64_t i = 0; i < m; i++) b->cell[i] = seq_cell[seq[i]];
     }
     bins_of(p, m, b->lr, b->bin);
+    return 1;
 }
 
 typedef struct {
@@ -190,7 +198,7 @@ static int64_t token_blocks(const TokenParams *p, int64_t n, const void *t, int 
         const int64_t m = n - start < BLOCK ? n - start : BLOCK;
         load_block(t, t_dtype, start, m, blk->t);
         load_block(s, s_dtype, start, m, blk->s);
-        block_values(p, m, blk, seq + start, turn ? turn + start : NULL, seq_cell, turn_table);
+        if (!block_values(p, m, blk, seq + start, turn ? turn + start : NULL, seq_cell, turn_table)) return -3;
         for (int64_t k = 0; k < m; k++) {
             const int64_t sq = seq[start + k], cell = blk->cell[k];
             if (sq != cur_seq) {
@@ -267,7 +275,8 @@ static int64_t token_blocks(const TokenParams *p, int64_t n, const void *t, int 
  * batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or a log-prob
  * above tol) count per cell and per sequence and touch nothing else. Returns the number of
  * valid tokens; -1 when the series has not the N_SERIES coefficients this file was compiled
- * for, -2 when memory runs out. */
+ * for, -2 when memory runs out, -3 when a sequence id or turn index is out of range (nothing
+ * is read through it; the caller's arrays then hold part of the pass). */
 int64_t mm_token_pass(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
                       int s_dtype, const int64_t *seq, const int64_t *turn, const int64_t *seq_cell,
                       const int64_t *turn_table, double *joint, double *cell_sums, int32_t *abs_hist,

@@ -44,7 +44,7 @@ class TokenParams(ctypes.Structure):
                 ("tol", ctypes.c_double), ("outlier_abs", ctypes.c_double), ("poly_max", ctypes.c_double),
                 ("log_edges", _P), ("region_bounds", _P), ("slot_of_region", _P), ("upper", _P),
                 ("lut", _P), ("lut_shift", _I), ("lut_base", _I), ("lut_size", _I),
-                ("series", _P), ("n_series", _I)]
+                ("series", _P), ("n_series", _I), ("n_seq", _I)]
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,7 +118,7 @@ class TokenKernel:
 
     @classmethod
     def build(cls, config: MetricConfig, coder: JointCoder, bins: LogBins, n_turn: int,
-              turn_last: int) -> "TokenKernel":
+              turn_last: int, n_seq: int) -> "TokenKernel":
         upper, lut, shift, base = bin_lookup(bins)
         log_edges = np.array(coder.log_edges, dtype=np.float64)
         bounds = coder.region_bounds.cpu().numpy().astype(np.float64)
@@ -130,7 +130,7 @@ class TokenKernel:
             tol=config.positive_logprob_tol, outlier_abs=coder.outlier_abs, poly_max=POLY_MAX,
             log_edges=_ptr(log_edges), region_bounds=_ptr(bounds), slot_of_region=_ptr(slots),
             upper=_ptr(upper), lut=_ptr(lut), lut_shift=shift, lut_base=base, lut_size=len(lut),
-            series=_ptr(series), n_series=len(series))
+            series=_ptr(series), n_series=len(series), n_seq=n_seq)
         return cls(params, keep)
 
     def run(self, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor, turn: torch.Tensor | None,
@@ -148,6 +148,9 @@ class TokenKernel:
             _ptr(acc.seq_invalid), _ptr(acc.seq_sum_lr), _ptr(acc.seq_sum_exp_abs), _ptr(acc.seq_max_abs))
         if valid == -2:
             raise MemoryError("the compiled token pass could not allocate its per-cell buffers")
+        if valid == -3:
+            raise IndexError(f"expected seq_index in [0, {self.params.n_seq}) and turn_index >= 0 "
+                             "(build batches with TokenBatch.from_flat / from_padded, which check them)")
         if valid < 0:
             raise RuntimeError("the compiled token pass was built for another series length; reinstall")
         return valid

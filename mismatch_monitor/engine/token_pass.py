@@ -111,7 +111,8 @@ def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
     # (51 GB of inputs) take the torch ops
     if native.use_native(config, batch.device, batch.num_tokens):
         kernel = native.TokenKernel.build(config, coder, bins, cells.num_turn_buckets,
-                                          0 if turn_table is None else turn_table.numel() - 1)
+                                          0 if turn_table is None else turn_table.numel() - 1,
+                                          batch.num_sequences)
     return _Plan(
         C=cells.num_token_cells, B=batch.num_sequences, NL=len(config.lowprob_edges) + 1, R=coder.R,
         bins=bins, coder=coder, turn_table=turn_table, tol=config.positive_logprob_tol, kernel=kernel,
