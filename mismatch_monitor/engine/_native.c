@@ -335,47 +335,47 @@ static inline uint64_t load_id(const unsigned char *row, int64_t size, int64_t k
     }
 }
 
-static inline void sort_ids(uint64_t *v, const int32_t *pairs, int64_t n_pairs) {
-    for (int64_t c = 0; c < n_pairs; c++) {
-        const int32_t i = pairs[2 * c], j = pairs[2 * c + 1];
+/* A sorting network for K inputs (routing.sorting_network), mirrored by native.Network:
+ * comparator pairs, and for top-8 byte ids the same comparators in layers of disjoint pairs as
+ * 16-lane vectors (both rows at once: lanes 0-7 and 8-15): each lane's partner (itself when it
+ * has none) and 0xff where the lane keeps the minimum. */
+typedef struct {
+    const int32_t *pairs;
+    int64_t n_pairs;
+    const unsigned char *partner, *lower;   /* [n_layers * 16] each */
+    int64_t n_layers;                       /* 0: no byte layers */
+} Network;
+
+static inline void sort_ids(uint64_t *v, const Network *net) {
+    for (int64_t c = 0; c < net->n_pairs; c++) {
+        const int32_t i = net->pairs[2 * c], j = net->pairs[2 * c + 1];
         const uint64_t a = v[i], b = v[j];
         v[i] = a < b ? a : b;
         v[j] = a < b ? b : a;
     }
 }
 
-/* Top-8 byte ids of both sides in one 16-byte vector (trainer in lanes 0-7, sampler in 8-15),
- * each half sorted by the 6 layers of Batcher's network for 8 inputs: per layer every lane
- * meets its partner, the lower lane keeps the minimum and the upper one the maximum. */
 typedef unsigned char V16 __attribute__((vector_size(16)));
 
-static const V16 PARTNER[6] = {
-    {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14},
-    {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13},
-    {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15},
-    {4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11},
-    {0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15},
-    {0, 2, 1, 4, 3, 6, 5, 7, 8, 10, 9, 12, 11, 14, 13, 15},
-};
-/* 0xff where the lane is the lower of its pair (or has none): it keeps the minimum */
-static const V16 LOWER[6] = {
-    {255, 0, 255, 0, 255, 0, 255, 0, 255, 0, 255, 0, 255, 0, 255, 0},
-    {255, 255, 0, 0, 255, 255, 0, 0, 255, 255, 0, 0, 255, 255, 0, 0},
-    {255, 255, 0, 255, 255, 255, 0, 255, 255, 255, 0, 255, 255, 255, 0, 255},
-    {255, 255, 255, 255, 0, 0, 0, 0, 255, 255, 255, 255, 0, 0, 0, 0},
-    {255, 255, 255, 255, 0, 0, 255, 255, 255, 255, 255, 255, 0, 0, 255, 255},
-    {255, 255, 0, 255, 0, 255, 0, 255, 255, 255, 0, 255, 0, 255, 0, 255},
-};
+/* Top-8 byte ids of both sides in one 16-byte vector, sorted layer by layer: every lane meets
+ * its partner, the lower lane keeps the minimum and the upper one the maximum. */
+#define MAX_BYTE_LAYERS 16
 
-static inline int differ_top8_bytes(const unsigned char *tr, const unsigned char *sr) {
+/* The byte layers as vectors, loaded once per call. */
+typedef struct {
+    V16 partner[MAX_BYTE_LAYERS], lower[MAX_BYTE_LAYERS];
+    int64_t n;
+} ByteLayers;
+
+static inline int differ_top8_bytes(const unsigned char *tr, const unsigned char *sr, const ByteLayers *bl) {
     V16 v;
     memcpy(&v, tr, 8);
     memcpy((unsigned char *)&v + 8, sr, 8);
-    for (int l = 0; l < 6; l++) {
-        const V16 w = __builtin_shuffle(v, PARTNER[l]);
+    for (int64_t l = 0; l < bl->n; l++) {
+        const V16 w = __builtin_shuffle(v, bl->partner[l]);
         const V16 lt = (V16)(v < w);
         const V16 lo = (v & lt) | (w & ~lt), hi = (w & lt) | (v & ~lt);
-        v = (lo & LOWER[l]) | (hi & ~LOWER[l]);
+        v = (lo & bl->lower[l]) | (hi & ~bl->lower[l]);
     }
     uint64_t x, y;
     memcpy(&x, &v, 8);
@@ -385,26 +385,32 @@ static inline int differ_top8_bytes(const unsigned char *tr, const unsigned char
 
 /* Whether two rows of K ids hold different multisets: sorted and compared. */
 static inline int differ_as_sets(const unsigned char *tr, const unsigned char *sr, int64_t K, int64_t size,
-                                 const int32_t *pairs, int64_t n_pairs, uint64_t *a, uint64_t *b) {
-    if (size == 1 && K == 8) return differ_top8_bytes(tr, sr);
+                                 const Network *net, const ByteLayers *bl, uint64_t *a, uint64_t *b) {
+    if (size == 1 && K == 8 && bl->n > 0) return differ_top8_bytes(tr, sr, bl);
     for (int64_t k = 0; k < K; k++) {
         a[k] = load_id(tr, size, k);
         b[k] = load_id(sr, size, k);
     }
-    sort_ids(a, pairs, n_pairs);
-    sort_ids(b, pairs, n_pairs);
+    sort_ids(a, net);
+    sort_ids(b, net);
     return memcmp(a, b, (size_t)K * sizeof a[0]) != 0;
 }
 
 /* [n, L, K] ids of `size` bytes from both sides; a (token, layer) flips when the sorted ids
  * differ (the multiset of the top-k; order inside the top-k does not count). Adds flips per
- * (cell, layer) and tokens with any flip per cell. `pairs` is a sorting network for K
- * inputs. Returns the number of flips, or -1 when K is above the supported 64. */
+ * (cell, layer) and tokens with any flip per cell. `net` sorts K inputs. Returns the number
+ * of flips, or -1 when K is above the supported 64 (or the byte layers above 16). */
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 static int64_t routing_loop(int64_t n, int64_t L, int64_t K, int64_t size, const void *trainer,
-                         const void *sampler, const int64_t *cell, const int32_t *pairs,
-                         int64_t n_pairs, int64_t *per_layer, int64_t *any_flip) {
-    if (K > 64) return -1;
+                            const void *sampler, const int64_t *cell, const Network *net, int64_t *per_layer,
+                            int64_t *any_flip) {
+    if (K > 64 || net->n_layers > MAX_BYTE_LAYERS) return -1;
+    ByteLayers bl;
+    bl.n = net->n_layers;
+    for (int64_t l = 0; l < bl.n; l++) {
+        memcpy(&bl.partner[l], net->partner + 16 * l, 16);
+        memcpy(&bl.lower[l], net->lower + 16 * l, 16);
+    }
     const int64_t row = K * size;
     const unsigned char *te = (const unsigned char *)trainer, *se = (const unsigned char *)sampler;
     uint64_t a[64], b[64];
@@ -434,7 +440,7 @@ static int64_t routing_loop(int64_t n, int64_t L, int64_t K, int64_t size, const
                 const int64_t l = l0 + __builtin_ctzll(differ);
                 differ &= differ - 1;
                 const unsigned char *tr = te + (i * L + l) * row, *sr = se + (i * L + l) * row;
-                if (differ_as_sets(tr, sr, K, size, pairs, n_pairs, a, b)) {
+                if (differ_as_sets(tr, sr, K, size, net, &bl, a, b)) {
                     per_layer[c * L + l]++;
                     flips = 1;
                     total++;
@@ -447,9 +453,9 @@ static int64_t routing_loop(int64_t n, int64_t L, int64_t K, int64_t size, const
 }
 
 int64_t mm_routing_flips(int64_t n, int64_t L, int64_t K, int64_t size, const void *trainer,
-                         const void *sampler, const int64_t *cell, const int32_t *pairs,
-                         int64_t n_pairs, int64_t *per_layer, int64_t *any_flip) {
-    return routing_loop(n, L, K, size, trainer, sampler, cell, pairs, n_pairs, per_layer, any_flip);
+                         const void *sampler, const int64_t *cell, const Network *net, int64_t *per_layer,
+                         int64_t *any_flip) {
+    return routing_loop(n, L, K, size, trainer, sampler, cell, net, per_layer, any_flip);
 }
 
 /* ------------------------------------------------------------------ module */

@@ -47,6 +47,10 @@ class TokenParams(ctypes.Structure):
                 ("series", _P), ("n_series", _I), ("n_seq", _I)]
 
 
+class Network(ctypes.Structure):
+    _fields_ = [("pairs", _P), ("n_pairs", _I), ("partner", _P), ("lower", _P), ("n_layers", _I)]
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded extension, or None when it was not built."""
@@ -60,7 +64,7 @@ def library() -> ctypes.CDLL | None:
     lib.mm_nonzero.restype = _I
     lib.mm_nonzero.argtypes = [_P, _I, _I, _P]
     lib.mm_routing_flips.restype = _I
-    lib.mm_routing_flips.argtypes = [_I, _I, _I, _I, _P, _P, _P, _P, _I, _P, _P]
+    lib.mm_routing_flips.argtypes = [_I, _I, _I, _I, _P, _P, _P, ctypes.POINTER(Network), _P, _P]
     return lib
 
 
@@ -72,20 +76,22 @@ MAX_TOKENS = (1 << 31) - 1   # the compiled pass counts histogram bins in 32 bit
 
 
 def use_native(config: MetricConfig, device: torch.device, num_tokens: int = 0) -> bool:
-    """Whether the engine takes the compiled loops for ``num_tokens`` tokens on ``device``."""
-    if config.kernel == "torch" or device.type != "cpu" or num_tokens > MAX_TOKENS:
-        if config.kernel == "native" and device.type != "cpu":
-            raise ValueError(f"MetricConfig.kernel='native' runs on CPU tensors only, got {device}")
-        if config.kernel == "native" and num_tokens > MAX_TOKENS:
-            raise ValueError(f"MetricConfig.kernel='native' takes up to {MAX_TOKENS} tokens a batch, "
-                             f"got {num_tokens}")
+    """Whether the engine takes the compiled loops for ``num_tokens`` tokens on ``device``;
+    with ``kernel="native"``, why not is an error."""
+    if config.kernel == "torch":
         return False
-    if library() is None:
-        if config.kernel == "native":
-            raise RuntimeError("MetricConfig.kernel='native' but the compiled extension "
-                               "mismatch_monitor.engine._native was not built (reinstall with a C compiler)")
-        return False
-    return True
+    if device.type != "cpu":
+        why: Exception | None = ValueError(f"MetricConfig.kernel='native' runs on CPU tensors only, got {device}")
+    elif num_tokens > MAX_TOKENS:
+        why = ValueError(f"MetricConfig.kernel='native' takes up to {MAX_TOKENS} tokens a batch, got {num_tokens}")
+    elif library() is None:
+        why = RuntimeError("MetricConfig.kernel='native' but the compiled extension mismatch_monitor.engine._native "
+                           "was not built (reinstall with a C compiler)")
+    else:
+        return True
+    if config.kernel == "native":
+        raise why
+    return False
 
 
 def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
@@ -94,10 +100,11 @@ def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
     return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
 
 
+@functools.lru_cache(maxsize=16)
 def bin_lookup(bins: LogBins) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(upper edges, first bin per key, shift, base) for ``abs_bin`` in _native.c: a key is the
+    """(upper edges, first bin per key, shift, base) for ``bins_of`` in _native.c: a key is the
     exponent and top mantissa bits of a positive double; the lookup gives the first bin its
-    values can fall in, and the loop steps up while |x| lies above the bin's upper edge."""
+    values can fall in, and the loop steps up once when |x| lies above that bin's upper edge."""
     upper = bins.upper_edges()
     bits = math.ceil(math.log2(1.0 / (bins.gamma - 1.0))) + 1     # < one edge per key, mostly
     shift = 52 - min(max(bits, 0), 12)
@@ -162,14 +169,48 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype in _DTYPES else t.to(torch.float32)
 
 
+def byte_layers(network: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The comparators of an 8-input network in layers of disjoint pairs, as the 16-lane vectors
+    of the top-8 byte path of _native.c ([layers, 16] uint8 each): each lane's partner (itself
+    when it has none) and 0xff where the lane keeps the minimum; lanes 8-15 repeat 0-7 for the
+    second row. A pair joins the current layer when it shares no lane with it: only
+    comparators on disjoint lanes change places, so the layers sort as the sequence does."""
+    layers: list[list[tuple[int, int]]] = []
+    for i, j in network:
+        if not layers or any({i, j} & {a, b} for a, b in layers[-1]):
+            layers.append([])
+        layers[-1].append((i, j))
+    partner = np.tile(np.arange(16, dtype=np.uint8), (len(layers), 1))
+    lower = np.full((len(layers), 16), 255, dtype=np.uint8)
+    for row, layer in enumerate(layers):
+        for half in (0, 8):
+            for i, j in layer:
+                partner[row, half + i], partner[row, half + j] = half + j, half + i
+                lower[row, half + j] = 0
+    return partner, lower
+
+
+@functools.lru_cache(maxsize=None)
+def _network(network: tuple[tuple[int, int], ...], k: int) -> tuple[Network, tuple]:
+    """The ctypes form of a sorting network for ``k`` inputs (kept with the arrays it points
+    into); for 8 inputs with the byte layers too."""
+    pairs = np.array(network, dtype=np.int32).reshape(-1)
+    if k == 8:
+        partner, lower = byte_layers(network)
+    else:
+        partner = lower = np.zeros((0, 16), dtype=np.uint8)
+    return Network(_ptr(pairs), len(network), _ptr(partner), _ptr(lower), len(partner)), (pairs, partner, lower)
+
+
 def routing_flips(trainer: torch.Tensor, sampler: torch.Tensor, cell: torch.Tensor,
                   network: tuple[tuple[int, int], ...], per_layer: torch.Tensor, any_flip: torch.Tensor) -> int:
-    """Flips of [n, L, K] integer ids into ``per_layer`` [C * L] and ``any_flip`` [C] (int64)."""
+    """Flips of [n, L, K] integer ids into ``per_layer`` [C * L] and ``any_flip`` [C] (int64);
+    ``network`` sorts K inputs (routing.sorting_network)."""
     n, L, K = trainer.shape
     trainer, sampler, cell = trainer.contiguous(), sampler.contiguous(), cell.contiguous()
-    pairs = np.array(network, dtype=np.int32).reshape(-1)
+    net, _ = _network(network, K)
     total = library().mm_routing_flips(n, L, K, trainer.element_size(), _ptr(trainer), _ptr(sampler),
-                                       _ptr(cell), _ptr(pairs), len(network), _ptr(per_layer), _ptr(any_flip))
+                                       _ptr(cell), ctypes.byref(net), _ptr(per_layer), _ptr(any_flip))
     if total < 0:
         raise ValueError(f"the compiled routing loop takes top-k up to 64, got K={K}")
     return total

@@ -111,17 +111,14 @@ def routing_counts(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor,
     tensors, K <= 64): one read of both id tensors, the same counts.
     """
     N, L, K = trainer_experts.shape
-    if compiled and K <= 64:
-        routed = torch.bincount(token_cell, minlength=num_cells)
-        any_flip = torch.zeros(num_cells, dtype=torch.int64)
-        per_layer = torch.zeros(num_cells * L, dtype=torch.int64)
-        native.routing_flips(trainer_experts, sampler_experts, token_cell, sorting_network(K), per_layer, any_flip)
-        return routed, any_flip, per_layer.view(num_cells, L), L
-    chunk = max(1, min(chunk, (16 << 20) // max(1, L * K * trainer_experts.element_size())))
     device = token_cell.device
     routed = torch.bincount(token_cell, minlength=num_cells)
     any_flip = torch.zeros(num_cells, dtype=torch.int64, device=device)
     per_layer = torch.zeros(num_cells * L, dtype=torch.int64, device=device)
+    if compiled and K <= 64:
+        native.routing_flips(trainer_experts, sampler_experts, token_cell, sorting_network(K), per_layer, any_flip)
+        return routed, any_flip, per_layer.view(num_cells, L), L
+    chunk = max(1, min(chunk, (16 << 20) // max(1, L * K * trainer_experts.element_size())))
     for start in range(0, N, chunk):
         stop = min(start + chunk, N)
         flat = flip_rows(trainer_experts[start:stop], sampler_experts[start:stop])   # ascending

@@ -154,16 +154,7 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
         lr = torch.where(valid, lr, 0.0)
         s = torch.where(valid, s, 0.0)
 
-    if batch.in_trainer_support is not None:
-        sup = batch.in_trainer_support[start:stop]
-        acc.n_support_known += torch.bincount(token_cell, minlength=p.C + 1)
-        acc.n_support_mismatch += torch.bincount(token_cell[~sup], minlength=p.C + 1)
-    if batch.sampler_kept_logmass is not None:
-        kept = batch.sampler_kept_logmass[start:stop].to(f64)
-        has = torch.isfinite(kept)
-        kc = torch.where(has, cell, p.C)
-        acc.n_kept += torch.bincount(kc, minlength=p.C + 1)
-        acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
+    _add_support(acc, batch, p, start, stop, token_cell, cell)
 
     abs_lr = lr.abs()
     joint = cell * (p.NL * p.R)
@@ -195,16 +186,27 @@ def _native_chunk(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.
     if batch.in_trainer_support is None and batch.sampler_kept_logmass is None:
         return
     cell = cells.token_cells(seq, turn, p.turn_table)
-    if batch.in_trainer_support is not None:
-        sup = batch.in_trainer_support[start:stop]
-        acc.n_support_known += torch.bincount(cell, minlength=p.C + 1)
-        acc.n_support_mismatch += torch.bincount(cell[~sup], minlength=p.C + 1)
+    valid_cell = cell
     if batch.sampler_kept_logmass is not None:
         t, s = batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop]
         finite, positive = token_validity(t.to(torch.float64), s.to(torch.float64), p.tol)
+        valid_cell = torch.where(finite & ~positive, cell, p.C)
+    _add_support(acc, batch, p, start, stop, cell, valid_cell)
+
+
+def _add_support(acc: TokenAccumulators, batch: TokenBatch, p: _Plan, start: int, stop: int,
+                 token_cell: torch.Tensor, valid_cell: torch.Tensor) -> None:
+    """The optional support inputs of one chunk. ``token_cell``: the cell of every token;
+    ``valid_cell``: the same with invalid tokens in the dump cell (the kept log-mass counts
+    valid tokens only)."""
+    if batch.in_trainer_support is not None:
+        sup = batch.in_trainer_support[start:stop]
+        acc.n_support_known += torch.bincount(token_cell, minlength=p.C + 1)
+        acc.n_support_mismatch += torch.bincount(token_cell[~sup], minlength=p.C + 1)
+    if batch.sampler_kept_logmass is not None:
         kept = batch.sampler_kept_logmass[start:stop].to(torch.float64)
-        has = torch.isfinite(kept) & finite & ~positive
-        kc = torch.where(has, cell, p.C)
+        has = torch.isfinite(kept)
+        kc = torch.where(has, valid_cell, p.C)
         acc.n_kept += torch.bincount(kc, minlength=p.C + 1)
         acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
 
@@ -263,14 +265,13 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
         return acc
 
     if workers <= 1 or len(starts) < 2:
-        total = run(starts)
-    else:
-        # contiguous shares keep each worker's sequences (and their accumulator lines) apart
-        per = math.ceil(len(starts) / workers)
-        shares = [starts[i:i + per] for i in range(0, len(starts), per)]
-        with ThreadPoolExecutor(max_workers=len(shares)) as pool:
-            results = list(pool.map(run, shares))
-        total = results[0]
-        for other in results[1:]:
-            total.merge_(other)
+        return run(starts)
+    # contiguous shares keep each worker's sequences (and their accumulator lines) apart
+    per = math.ceil(len(starts) / workers)
+    shares = [starts[i:i + per] for i in range(0, len(starts), per)]
+    with ThreadPoolExecutor(max_workers=len(shares)) as pool:
+        results = list(pool.map(run, shares))
+    total = results[0]
+    for other in results[1:]:
+        total.merge_(other)
     return total
