@@ -184,3 +184,18 @@ def test_ids_out_of_range_raise_instead_of_reading_past_the_arrays():
                 dataclasses.replace(batch, turn_index=batch.turn_index.clone().fill_(-3))):
         with pytest.raises(IndexError, match="out of range|expected seq_index"):
             compute_stats(bad, NATIVE)
+
+
+@pytest.mark.parametrize("alpha", [0.05, 1e-3, 1e-4, 1e-5])
+def test_fine_histograms_bin_as_the_edges_say_or_take_the_torch_ops(alpha):
+    # the compiled lookup steps at most once past an edge: fine accuracies need narrower keys,
+    # and past the lookup's size the engine runs the torch ops (kernel="native" says why)
+    config = MetricConfig(hist_relative_accuracy=alpha)
+    batch = make_case(3, num_sequences=40).batch("offsets")
+    assert_tables_match(compute_stats(batch, config)["abs_hist"],
+                        compute_stats(batch, replace(config, kernel="torch"))["abs_hist"], "abs_hist")
+    compiled = native.use_native(config, torch.device("cpu"))
+    assert compiled == (alpha >= 1e-4)
+    if not compiled:
+        with pytest.raises(ValueError, match="histogram lookup"):
+            compute_stats(batch, replace(config, kernel="native"))

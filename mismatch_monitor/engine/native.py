@@ -84,6 +84,10 @@ def use_native(config: MetricConfig, device: torch.device, num_tokens: int = 0) 
         why: Exception | None = ValueError(f"MetricConfig.kernel='native' runs on CPU tensors only, got {device}")
     elif num_tokens > MAX_TOKENS:
         why = ValueError(f"MetricConfig.kernel='native' takes up to {MAX_TOKENS} tokens a batch, got {num_tokens}")
+    elif bin_lookup(LogBins.from_config(config)) is None:
+        why = ValueError(f"MetricConfig.kernel='native' needs a histogram lookup of at most {LOOKUP_MAX} "
+                         f"keys; hist_relative_accuracy={config.hist_relative_accuracy} over [hist_min, "
+                         f"hist_max] needs more")
     elif library() is None:
         why = RuntimeError("MetricConfig.kernel='native' but the compiled extension mismatch_monitor.engine._native "
                            "was not built (reinstall with a C compiler)")
@@ -100,20 +104,32 @@ def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
     return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
 
 
+LOOKUP_MAX = 1 << 22        # keys of the histogram lookup (32 MiB); finer histograms take the torch ops
+
+
 @functools.lru_cache(maxsize=16)
-def bin_lookup(bins: LogBins) -> tuple[np.ndarray, np.ndarray, int, int]:
+def bin_lookup(bins: LogBins) -> tuple[np.ndarray, np.ndarray, int, int] | None:
     """(upper edges, first bin per key, shift, base) for ``bins_of`` in _native.c: a key is the
     exponent and top mantissa bits of a positive double; the lookup gives the first bin its
-    values can fall in, and the loop steps up once when |x| lies above that bin's upper edge."""
+    values can fall in, and the loop steps up once when |x| lies above that bin's upper edge.
+    None when that takes more than LOOKUP_MAX keys (hist_relative_accuracy below ~1e-4 over
+    the default [hist_min, hist_max]) or a key would span two edges."""
+    bits = max(0, math.ceil(math.log2(1.0 / (bins.gamma - 1.0))) + 1)   # key narrower than a bin
+    octaves = math.log2(bins.max_value / bins.min_value) + 3
+    if bits > 52 or octaves * 2.0 ** bits > LOOKUP_MAX:
+        return None
     upper = bins.upper_edges()
-    bits = math.ceil(math.log2(1.0 / (bins.gamma - 1.0))) + 1     # < one edge per key, mostly
-    shift = 52 - min(max(bits, 0), 12)
+    shift = 52 - bits
     lo = int(np.array(upper[0]).view(np.int64)) >> shift
     hi = int(np.array(upper[-2]).view(np.int64)) >> shift
-    keys = np.arange(lo, hi + 1, dtype=np.int64)
+    if hi - lo + 1 > LOOKUP_MAX:
+        return None
+    keys = np.arange(lo, hi + 2, dtype=np.int64)
     first = (keys << shift).view(np.float64)                         # smallest value of each key
-    lut = np.searchsorted(upper, first, side="left").astype(np.int64)
-    return upper, lut, shift, lo
+    lut = np.searchsorted(upper, first, side="left")
+    if (lut[1:] - lut[:-1]).max(initial=0) > 1:                      # a key spanning two edges
+        return None
+    return upper, lut[:-1].astype(np.int64), shift, lo
 
 
 @dataclass
