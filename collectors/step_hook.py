@@ -83,6 +83,11 @@ def concat_batches(batches: Sequence[TokenBatch]) -> TokenBatch:
         policy_version = torch.cat([b.policy_version + (trainer_version - int(b.trainer_version))
                                     for b in batches])
     advantages = torch.cat([b.advantages for b in batches]) if present("advantages") else None
+    seq_offsets = None
+    if all(b.seq_offsets is not None for b in batches):     # contiguous sequences stay contiguous
+        starts = torch.tensor([0] + [b.num_tokens for b in batches]).cumsum(0).tolist()
+        seq_offsets = torch.cat([first.seq_offsets.new_zeros(1)]
+                                + [b.seq_offsets[1:] + start for b, start in zip(batches, starts)])
     return TokenBatch(
         trainer_logprobs=torch.cat([b.trainer_logprobs for b in batches]),
         sampler_logprobs=torch.cat([b.sampler_logprobs for b in batches]),
@@ -93,6 +98,7 @@ def concat_batches(batches: Sequence[TokenBatch]) -> TokenBatch:
         policy_version=policy_version,
         trainer_version=trainer_version,
         advantages=advantages,
+        seq_offsets=seq_offsets,
         **cat,
     )
 

@@ -20,6 +20,8 @@ from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats, native
 from mismatch_monitor.engine.histogram import LogBins
 from mismatch_monitor.engine.routing import routing_counts, sorting_network
+from mismatch_monitor.engine.regions import JointCoder
+from mismatch_monitor.engine.token_pass import TokenAccumulators
 from reference import assert_tables_match, make_case, routing_flips as reference_flips
 
 NATIVE, TORCH = MetricConfig(kernel="native"), MetricConfig(kernel="torch")
@@ -184,6 +186,20 @@ def test_ids_out_of_range_raise_instead_of_reading_past_the_arrays():
                 dataclasses.replace(batch, turn_index=batch.turn_index.clone().fill_(-3))):
         with pytest.raises(IndexError, match="out of range|expected seq_index"):
             compute_stats(bad, NATIVE)
+    # the compiled pass's own check of ids it reads per token (tokens in batch order), past
+    # the engine's other uses of the ids
+    batch = make_case(2, num_sequences=5).batch("seq_ids")
+    kernel = native.TokenKernel.build(NATIVE, JointCoder.build(NATIVE, torch.device("cpu")), LogBins.from_config(NATIVE),
+                                      1, 0, batch.num_sequences)
+    acc = TokenAccumulators.zeros(1, batch.num_sequences, 1000, LogBins.from_config(NATIVE).num_bins,
+                                  torch.device("cpu"), torch.int32)
+    bad = batch.seq_index.clone()
+    bad[-1] = batch.num_sequences
+    ranges = native.sequence_ranges(0, batch.num_tokens, None, np.zeros(batch.num_sequences, dtype=np.int64))
+    with pytest.raises(IndexError, match="expected seq_index"):
+        kernel.run(ranges, batch.trainer_logprobs, batch.sampler_logprobs, bad, None,
+                   torch.zeros(batch.num_sequences, dtype=torch.int64), None,
+                   torch.zeros(1000, native.JW, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64), acc)
 
 
 @pytest.mark.parametrize("alpha", [0.05, 1e-3, 1e-4, 1e-5])
@@ -199,3 +215,38 @@ def test_fine_histograms_bin_as_the_edges_say_or_take_the_torch_ops(alpha):
     if not compiled:
         with pytest.raises(ValueError, match="histogram lookup"):
             compute_stats(batch, replace(config, kernel="native"))
+
+
+def test_sequence_ranges_cover_each_token_once_grouped_by_sequence_cell():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        lengths = rng.integers(0, 6, rng.integers(1, 30))          # empty sequences too
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        N = int(offsets[-1])
+        if N == 0:
+            continue
+        seq_cell = rng.integers(0, 4, len(lengths))
+        start = int(rng.integers(0, N))
+        stop = int(rng.integers(start + 1, N + 1))
+        ranges = native.sequence_ranges(start, stop, offsets, seq_cell)
+        covered = np.concatenate([np.arange(a, b) for a, b, _ in ranges])
+        np.testing.assert_array_equal(np.sort(covered), np.arange(start, stop))
+        for a, b, q in ranges:                                     # inside its own sequence
+            assert offsets[q] <= a < b <= offsets[q + 1]
+        cells = seq_cell[ranges[:, 2]]
+        assert (np.diff(cells) >= 0).all()                         # one cell after the other
+        for c in np.unique(cells):                                 # batch order inside a cell
+            assert (np.diff(ranges[cells == c, 2]) > 0).all()
+    assert native.sequence_ranges(3, 9, None, seq_cell).tolist() == [[3, 9, -1]]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_grouped_and_batch_order_passes_agree(workers):
+    # with offsets the compiled pass takes sequences grouped by cell; with shuffled sequence
+    # ids it takes tokens in batch order: the same statistics, to rounding
+    case = make_case(9, num_sequences=120, dtype=torch.float32, tail_fraction=5e-3, bad_fraction=0.01)
+    config = replace(NATIVE, chunk_tokens=2048)
+    grouped = compute_stats(case.batch("offsets"), config, workers=workers)
+    in_order = compute_stats(case.batch("seq_ids"), config, workers=workers)
+    for name in ("tokens", "abs_hist", "lowprob", "routing_layers", "sequences", "seq_hist", "staleness"):
+        assert_tables_match(grouped[name], in_order[name], name, rtol=1e-12, atol=1e-13)

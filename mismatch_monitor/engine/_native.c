@@ -41,19 +41,33 @@ typedef struct {
 #define N_SERIES 9
 #define LW 4                  /* joint bins, local and the caller's: count, lr, k3, rho^2 */
 #define BLOCK 256             /* tokens per block: the block's arrays stay in L1 */
+#define COPIES 2              /* local joint bins: even and odd tokens add into their own copy */
 
-/* A block of tokens: the vector stage fills it, the scalar stage adds it up. */
+typedef double V4 __attribute__((vector_size(32)));
+
+/* Token ranges in the order the pass takes them: [start, stop) of one sequence `seq`, or of
+ * any tokens when seq < 0 (their ids are then read from the seq array). Ranges of one sequence
+ * cell one after the other let the cell's bins stay local until the next cell (see Local). */
+typedef struct {
+    int64_t start, stop, seq;
+} Range;
+
+/* A block of tokens: the vector stage fills it, the scalar stage adds it up. A "rare" token
+ * (invalid, or |lr| beyond the series or the central regions) has zeros in v, lr and e_abs,
+ * NaN in lr_mm and the dump bin NB in bin; the scalar stage adds it on its own. */
 typedef struct {
     double t[BLOCK], s[BLOCK];
-    double lr[BLOCK], k3[BLOCK], e_abs[BLOCK], rho2[BLOCK];
-    int64_t cell[BLOCK];      /* token cell */
-    int64_t joint[BLOCK];     /* lowprob bucket * R + (lr > 0): the slot of a central lr */
-    int64_t slot[BLOCK];      /* lr > 0 */
+    V4 v[BLOCK];              /* 1, lr, k3, rho^2 */
+    double lr[BLOCK], lr_mm[BLOCK], e_abs[BLOCK];
+    int64_t seq[BLOCK];       /* sequence */
+    int64_t sc[BLOCK];        /* sequence cell */
+    int64_t tb[BLOCK];        /* turn index, then turn bucket */
+    int64_t jb[BLOCK];        /* central joint bin: lowprob bucket * 2 + (lr > 0) */
     int64_t bin[BLOCK];       /* |lr| histogram bin */
-    int64_t rare[BLOCK];      /* invalid, or |lr| beyond the series or the central regions */
+    int64_t rare[BLOCK];
 } Block;
 
-static void load_block(const void *src, int dtype, int64_t start, int64_t m, double *dst) {
+static void load_values(const void *src, int dtype, int64_t start, int64_t m, double *dst) {
     if (dtype) {
         memcpy(dst, (const double *)src + start, (size_t)m * sizeof(double));
     } else {
@@ -84,220 +98,408 @@ static inline __attribute__((always_inline)) void bins_of(const TokenParams *p, 
     }
 }
 
-/* Straight-line loops over a block, written for the compiler to vectorize. With
- * P(x) = sum_i c_i x^i = E(x^2) + O(x) (even and odd parts; O has the sign of x):
- * rho - 1 - lr = lr^2 P(lr) and exp|lr| = 1 + |lr| + lr^2 P(|lr|) = 1 + |lr| + lr^2 (E + |O|).
- * Rare tokens (invalid, |lr| >= poly_max, or outside the two central regions) are finished by
- * the scalar stage. */
-static inline int block_values(const TokenParams *p, int64_t m, Block *b, const int64_t *restrict seq,
-                               const int64_t *restrict turn, const int64_t *restrict seq_cell,
+/* With P(x) = sum_i c_i x^i = E(x^2) + O(x) (even and odd parts; O has the sign of x):
+ * rho - 1 - lr = lr^2 P(lr) and exp|lr| = 1 + |lr| + lr^2 P(|lr|) = 1 + |lr| + lr^2 (E + |O|). */
+static inline __attribute__((always_inline)) void series(const double *c, double lr, double *k3, double *e_abs) {
+    const double x2 = lr * lr, x4 = x2 * x2;
+    const double even = (c[0] + c[2] * x2) + x4 * ((c[4] + c[6] * x2) + x4 * c[8]);
+    const double odd = lr * ((c[1] + c[3] * x2) + x4 * (c[5] + c[7] * x2));
+    *k3 = x2 * (even + odd);
+    *e_abs = 1.0 + fabs(lr) + x2 * (even + fabs(odd));
+}
+
+/* x where mask is all ones, 0 where it is 0 (a select the compiler vectorizes) */
+static inline __attribute__((always_inline)) double masked(double x, int64_t mask) {
+    int64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits &= mask;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* The next m tokens of the ranges (from range *ri, token *at) into the block: values, sequence,
+ * sequence cell and turn index. Returns 0 when an id is out of range (nothing read through it). */
+static int fill_block(const TokenParams *p, const Range *ranges, int64_t n_ranges, int64_t *ri, int64_t *at,
+                      int64_t m, const void *t, int t_dtype, const void *s, int s_dtype,
+                      const int64_t *restrict seq, const int64_t *restrict turn,
+                      const int64_t *restrict seq_cell, Block *restrict b) {
+    int64_t k = 0;
+    uint64_t bad = 0;
+    while (k < m && *ri < n_ranges) {
+        const Range rg = ranges[*ri];
+        int64_t take = rg.stop - *at;
+        take = take < m - k ? take : m - k;
+        load_values(t, t_dtype, *at, take, b->t + k);
+        load_values(s, s_dtype, *at, take, b->s + k);
+        if (rg.seq >= 0) {
+            bad |= (uint64_t)rg.seq >= (uint64_t)p->n_seq;
+            const int64_t sq = rg.seq, sc = bad ? 0 : seq_cell[rg.seq];
+            for (int64_t i = 0; i < take; i++) {
+                b->seq[k + i] = sq;
+                b->sc[k + i] = sc;
+            }
+        } else {
+            const int64_t *restrict ids = seq + *at;
+            for (int64_t i = 0; i < take; i++) bad |= (uint64_t)ids[i] >= (uint64_t)p->n_seq;
+            if (bad) return 0;
+            for (int64_t i = 0; i < take; i++) {
+                b->seq[k + i] = ids[i];
+                b->sc[k + i] = seq_cell[ids[i]];
+            }
+        }
+        if (turn) {
+            memcpy(b->tb + k, turn + *at, (size_t)take * sizeof(int64_t));
+        }
+        k += take;
+        *at += take;
+        if (*at == rg.stop && ++*ri < n_ranges) *at = ranges[*ri].start;
+    }
+    return !bad;
+}
+
+/* Straight-line loops over a block of m tokens, written for the compiler to vectorize. Rare
+ * tokens are left to the scalar stage (see Block). Returns 0 when a turn index is negative. */
+static inline int block_values(const TokenParams *p, int64_t m, Block *b, int has_turn,
                                const int64_t *restrict turn_table) {
     const double *c = p->series;
     const double tol = p->tol, lowest = -DBL_MAX;
     const double rare_abs = p->poly_max < p->outlier_abs ? p->poly_max : p->outlier_abs;
-    const int64_t R = p->R;
     for (int64_t i = 0; i < m; i++) {
         const double t = b->t[i], s = b->s[i];
-        const double lr = t - s, x2 = lr * lr, x4 = x2 * x2;
-        const double even = (c[0] + c[2] * x2) + x4 * ((c[4] + c[6] * x2) + x4 * c[8]);
-        const double odd = lr * ((c[1] + c[3] * x2) + x4 * (c[5] + c[7] * x2));
-        const double k3 = x2 * (even + odd);
+        const double lr = t - s;
+        double k3, e_abs;
+        series(c, lr, &k3, &e_abs);
         const double rho = 1.0 + lr + k3;
-        b->lr[i] = lr;
-        b->k3[i] = k3;
-        b->e_abs[i] = 1.0 + fabs(lr) + x2 * (even + fabs(odd));
-        b->rho2[i] = rho * rho;
         const int64_t ok = (t <= tol) & (s <= tol) & (t >= lowest) & (s >= lowest);
-        b->rare[i] = !ok | (fabs(lr) >= rare_abs);
-        b->joint[i] = b->slot[i] = lr > 0;
+        const int64_t rare = !ok | (fabs(lr) >= rare_abs);
+        const int64_t keep = rare - 1;            /* all ones for a token kept here */
+        double *v = (double *)&b->v[i];
+        v[0] = masked(1.0, keep);
+        v[1] = masked(lr, keep);
+        v[2] = masked(k3, keep);
+        v[3] = masked(rho * rho, keep);
+        b->lr[i] = masked(lr, keep);
+        b->lr_mm[i] = masked(lr, keep) + masked(NAN, ~keep);
+        b->e_abs[i] = masked(e_abs, keep);
+        b->rare[i] = rare;
+        b->jb[i] = lr > 0;
     }
     for (int64_t e = 0; e < p->NL - 1; e++) {      /* lowprob bucket = edges <= log p */
         const double edge = p->log_edges[e];
-        for (int64_t i = 0; i < m; i++) b->joint[i] += (b->s[i] >= edge) * R;
+        for (int64_t i = 0; i < m; i++) b->jb[i] += (b->s[i] >= edge) * 2;
     }
-    /* ids out of range (a batch built without validation) stop the pass before any lookup */
-    uint64_t bad = 0;
-    for (int64_t i = 0; i < m; i++) bad |= (uint64_t)seq[i] >= (uint64_t)p->n_seq;
-    if (turn)
-        for (int64_t i = 0; i < m; i++) bad |= (uint64_t)(turn[i] < 0);
-    if (bad) return 0;
-    if (turn) {
-        const int64_t n_turn = p->n_turn, last = p->turn_last;
+    if (has_turn) {
+        uint64_t bad = 0;
+        for (int64_t i = 0; i < m; i++) bad |= (uint64_t)(b->tb[i] < 0);
+        if (bad) return 0;
+        const int64_t last = p->turn_last;
         for (int64_t i = 0; i < m; i++) {
-            const int64_t tu = turn[i];
-            b->cell[i] = seq_cell[seq[i]] * n_turn + turn_table[tu > last ? last : tu];
+            const int64_t tu = b->tb[i];
+            b->tb[i] = turn_table[tu > last ? last : tu];
         }
     } else {
-        for (int64_t i = 0; i < m; i++) b->cell[i] = seq_cell[seq[i]];
+        memset(b->tb, 0, (size_t)m * sizeof(int64_t));
     }
-    bins_of(p, m, b->lr, b->bin);
+    bins_of(p, m, b->lr_mm, b->bin);
     return 1;
 }
 
 typedef struct {
     double *joint, *cell_sums, *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
-    int32_t *abs_hist;        /* 32-bit: its hot part stays in L2 (see mm_token_pass) */
+    int32_t *abs_hist;
     int64_t *n_nonfinite, *n_positive, *seq_invalid;
 } Out;
 
-/* The current cell's joint bins and |lr| histogram are kept small (in L1) in `local` and
- * `lhist` and added to the caller's arrays when the cell changes (adding each token straight
- * into the [cells x bins] histogram of megabytes misses the cache on most tokens); `touched`
- * lists the histogram bins with counts, in first-touch order. The joint bins hold what
- * token_pass.py reads per (lowprob, slot) bin: count, lr and k3; and rho^2 per slot, kept on
- * the bin of lowprob bucket 0. Sums of lr^2 and exp|lr| are read only per cell: `cell_sums`. */
-static void end_cell(const Out *out, int64_t nj, int64_t NB, int64_t cell, double *local, int64_t *lhist,
-                     const int64_t *touched, int64_t n_touched, double min_lr, double max_lr, double lr2,
-                     double exp_abs) {
-    int32_t *h = out->abs_hist + cell * NB;
-    for (int64_t k = 0; k < n_touched; k++) {
-        const int64_t b = touched[k];
-        h[b] += (int32_t)lhist[b];
-        lhist[b] = 0;
+/* A rare token, straight into the caller's arrays (exactly: expm1 and exp beyond the series,
+ * its region by search beyond the central ones); its place in the block becomes the dump. */
+static int64_t add_rare(const TokenParams *p, const Out *out, Block *b, int64_t k) {
+    const int64_t cell = b->sc[k] * p->n_turn + b->tb[k], sq = b->seq[k], NB = p->NB, R = p->R;
+    const double tv = b->t[k], sv = b->s[k];
+    b->bin[k] = NB;
+    if (!(isfinite(tv) && isfinite(sv))) {
+        out->n_nonfinite[cell]++;
+        out->seq_invalid[sq]++;
+        return 0;
     }
-    if (min_lr < out->min_lr[cell]) out->min_lr[cell] = min_lr;
-    if (max_lr > out->max_lr[cell]) out->max_lr[cell] = max_lr;
-    double *dst = out->joint + cell * nj * LW;
-    for (int64_t j = 0; j < nj; j++) {
-        double *src = local + j * LW;
-        if (src[0] == 0.0 && src[3] == 0.0) continue;
-        for (int w = 0; w < LW; w++) {
-            dst[j * LW + w] += src[w];
-            src[w] = 0.0;
-        }
+    if (tv > p->tol || sv > p->tol) {
+        out->n_positive[cell]++;
+        out->seq_invalid[sq]++;
+        return 0;
     }
-    out->cell_sums[2 * cell] += lr2;
-    out->cell_sums[2 * cell + 1] += exp_abs;
+    const double lr = tv - sv, a = fabs(lr);
+    double k3, e_abs, rho2;
+    if (a >= p->poly_max) {                      /* beyond the series: exactly */
+        const double em1 = expm1(lr);
+        k3 = em1 - lr;
+        e_abs = exp(a);
+        rho2 = (em1 + 1.0) * (em1 + 1.0);
+    } else {
+        series(p->series, lr, &k3, &e_abs);
+        rho2 = (1.0 + lr + k3) * (1.0 + lr + k3);
+    }
+    int64_t slot = lr > 0;
+    if (a >= p->outlier_abs) {                   /* first boundary >= lr: its slot */
+        int64_t region = 0;
+        while (region < R - 1 && p->region_bounds[region] < lr) region++;
+        slot = p->slot_of_region[region];
+    }
+    int64_t bin;
+    bins_of(p, 1, &lr, &bin);
+    out->abs_hist[cell * NB + bin]++;
+    double *j = out->joint + ((cell * p->NL + (b->jb[k] >> 1)) * R + slot) * LW;
+    j[0] += 1.0;
+    j[1] += lr;
+    j[2] += k3;
+    j[3] += rho2;
+    out->cell_sums[2 * cell] += lr * lr;
+    out->cell_sums[2 * cell + 1] += e_abs;
+    if (lr < out->min_lr[cell]) out->min_lr[cell] = lr;
+    if (lr > out->max_lr[cell]) out->max_lr[cell] = lr;
+    out->seq_sum_lr[sq] += lr;
+    out->seq_sum_exp_abs[sq] += e_abs;
+    if (a > out->seq_max_abs[sq]) out->seq_max_abs[sq] = a;
+    return 1;
 }
 
-static void end_sequence(const Out *out, int64_t seq, int64_t invalid, double sum_lr, double sum_exp_abs,
-                         double max_abs) {
-    out->seq_invalid[seq] += invalid;
+/* What the pass keeps of the current sequence cell, per turn bucket, until the next cell:
+ * its central joint bins (lowprob bucket x sign, in COPIES copies: consecutive tokens add into
+ * different copies), its |lr| histogram (NB bins and a dump bin) with [lo, hi] bounding the
+ * bins with counts, and its running sums. Adding each token straight into the caller's
+ * [cells x bins] arrays of megabytes would miss the cache on most tokens. */
+typedef struct {
+    V4 *joint;                /* [n_turn][COPIES][2 NL] */
+    int32_t *hist;            /* [n_turn][NB + 1] */
+    double *lr2, *e_abs, *min_lr, *max_lr;    /* [n_turn] each */
+    int64_t *lo, *hi;
+    int64_t *used;            /* turn buckets with tokens, in first-use order */
+    int64_t n_used;
+} Local;
+
+static void reset_bucket(Local *L, int64_t tb, int64_t NB) {
+    L->lr2[tb] = L->e_abs[tb] = 0.0;
+    L->min_lr[tb] = INFINITY;
+    L->max_lr[tb] = -INFINITY;
+    L->lo[tb] = NB;
+    L->hi[tb] = -1;
+}
+
+/* Every used turn bucket of sequence cell sc into the caller's arrays; Local is empty after. */
+static void end_cell(const Out *out, const TokenParams *p, int64_t sc, Local *L) {
+    const int64_t NB = p->NB, NL = p->NL, R = p->R, nc = 2 * NL;
+    for (int64_t u = 0; u < L->n_used; u++) {
+        const int64_t tb = L->used[u], cell = sc * p->n_turn + tb;
+        int32_t *h = out->abs_hist + cell * NB, *lh = L->hist + tb * (NB + 1);
+        const int64_t hi = L->hi[tb] < NB - 1 ? L->hi[tb] : NB - 1;
+        for (int64_t b = L->lo[tb]; b <= hi; b++) {
+            h[b] += lh[b];
+            lh[b] = 0;
+        }
+        lh[NB] = 0;
+        if (L->min_lr[tb] < out->min_lr[cell]) out->min_lr[cell] = L->min_lr[tb];
+        if (L->max_lr[tb] > out->max_lr[cell]) out->max_lr[cell] = L->max_lr[tb];
+        out->cell_sums[2 * cell] += L->lr2[tb];
+        out->cell_sums[2 * cell + 1] += L->e_abs[tb];
+        V4 *local = L->joint + tb * COPIES * nc;
+        V4 *dst = (V4 *)(out->joint + cell * NL * R * LW);
+        for (int64_t j = 0; j < nc; j++) {
+            V4 sum = local[j];
+            local[j] = (V4){0.0, 0.0, 0.0, 0.0};
+            for (int c = 1; c < COPIES; c++) {
+                sum += local[c * nc + j];
+                local[c * nc + j] = (V4){0.0, 0.0, 0.0, 0.0};
+            }
+            V4 *d = dst + (j >> 1) * R + (j & 1);   /* lowprob bucket j / 2, slot lr > 0 */
+            V4 x;
+            memcpy(&x, d, sizeof x);
+            x += sum;
+            memcpy(d, &x, sizeof x);
+        }
+        reset_bucket(L, tb, NB);
+        L->used[tb + p->n_turn] = 0;
+    }
+    L->n_used = 0;
+}
+
+static void end_sequence(const Out *out, int64_t seq, double sum_lr, double sum_exp_abs, double max_abs) {
     out->seq_sum_lr[seq] += sum_lr;
     out->seq_sum_exp_abs[seq] += sum_exp_abs;
     if (max_abs > out->seq_max_abs[seq]) out->seq_max_abs[seq] = max_abs;
 }
 
-/* Both stages over every block; built for AVX2 + FMA too, picked at load time where the CPU
- * has them. The running values of the current sequence and cell are plain locals (registers):
- * held in a struct whose address escapes, each += would go through memory. */
-__attribute__((target_clones("arch=x86-64-v3", "default")))
-static int64_t token_blocks(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
-                            int s_dtype, const int64_t *restrict seq, const int64_t *restrict turn,
-                            const int64_t *restrict seq_cell, const int64_t *restrict turn_table,
-                            const Out *out, double *restrict local, int64_t *restrict lhist,
-                            int64_t *restrict touched, Block *restrict blk) {
-    const int64_t nj = p->NL * p->R, NB = p->NB, R = p->R;
-    const double poly_max = p->poly_max, outlier_abs = p->outlier_abs;
-    int64_t valid = 0;
-    int64_t cur_seq = -1, seq_invalid = 0, cur_cell = -1;
+/* Sums over a run of tokens [k, r) of one sequence and turn bucket, in four lanes. */
+typedef struct {
+    double lr, lr2, e_abs, min_lr, max_lr;
+    int64_t lo, hi;
+} Run;
+
+typedef int64_t V4I __attribute__((vector_size(32)));
+
+static inline __attribute__((always_inline)) V4 pick(V4I mask, V4 a, V4 b) {
+    return (V4)(((V4I)a & mask) | ((V4I)b & ~mask));
+}
+
+static inline __attribute__((always_inline)) V4I pick_i(V4I mask, V4I a, V4I b) {
+    return (a & mask) | (b & ~mask);
+}
+
+static inline __attribute__((always_inline)) Run run_sums(const Block *restrict b, int64_t k, int64_t r,
+                                                          int64_t NB) {
+    V4 s_lr = {0}, s_lr2 = {0}, s_e = {0};
+    V4 mn = {INFINITY, INFINITY, INFINITY, INFINITY}, mx = -mn;
+    V4I lo = {NB, NB, NB, NB}, hi = {-1, -1, -1, -1};
+    const V4I dump = lo;
+    int64_t i = k;
+    for (; i + 4 <= r; i += 4) {
+        V4 x, y, e;
+        V4I bin;
+        memcpy(&x, b->lr + i, sizeof x);
+        memcpy(&y, b->lr_mm + i, sizeof y);
+        memcpy(&e, b->e_abs + i, sizeof e);
+        memcpy(&bin, b->bin + i, sizeof bin);
+        s_lr += x;
+        s_lr2 += x * x;
+        s_e += e;
+        mn = pick(y < mn, y, mn);                 /* NaN (a rare token) compares false */
+        mx = pick(y > mx, y, mx);
+        lo = pick_i(bin < lo, bin, lo);
+        hi = pick_i((bin > hi) & (bin != dump), bin, hi);
+    }
+    Run out = {(s_lr[0] + s_lr[1]) + (s_lr[2] + s_lr[3]), (s_lr2[0] + s_lr2[1]) + (s_lr2[2] + s_lr2[3]),
+               (s_e[0] + s_e[1]) + (s_e[2] + s_e[3]), mn[0], mx[0], lo[0], hi[0]};
+    for (int j = 1; j < 4; j++) {
+        out.min_lr = mn[j] < out.min_lr ? mn[j] : out.min_lr;
+        out.max_lr = mx[j] > out.max_lr ? mx[j] : out.max_lr;
+        out.lo = lo[j] < out.lo ? lo[j] : out.lo;
+        out.hi = hi[j] > out.hi ? hi[j] : out.hi;
+    }
+    for (; i < r; i++) {
+        const double x = b->lr[i], y = b->lr_mm[i];
+        const int64_t bin = b->bin[i];
+        out.lr += x;
+        out.lr2 += x * x;
+        out.e_abs += b->e_abs[i];
+        out.min_lr = y < out.min_lr ? y : out.min_lr;
+        out.max_lr = y > out.max_lr ? y : out.max_lr;
+        out.lo = bin < out.lo ? bin : out.lo;
+        out.hi = bin > out.hi && bin != NB ? bin : out.hi;
+    }
+    return out;
+}
+
+/* Both stages over every block; built for AVX-512, for AVX2 + FMA and for baseline x86-64,
+ * picked at load time. The scalar stage goes run by run (tokens of one sequence and turn
+ * bucket): each token adds its four joint values with one vector add and counts its histogram
+ * bin, and a run's sums are reduced in lanes. The running values of the current sequence are
+ * plain locals (registers): held in a struct whose address escapes, each += would go through
+ * memory. */
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n_ranges, const void *t,
+                            int t_dtype, const void *s, int s_dtype, const int64_t *restrict seq,
+                            const int64_t *restrict turn, const int64_t *restrict seq_cell,
+                            const int64_t *restrict turn_table, const Out *out, Local *L, Block *restrict blk) {
+    const int64_t NB = p->NB, nc = 2 * p->NL, n_turn = p->n_turn;
+    int64_t n = 0;
+    for (int64_t i = 0; i < n_ranges; i++) n += ranges[i].stop - ranges[i].start;
+    int64_t valid = 0, ri = 0, at = n_ranges ? ranges[0].start : 0;
+    int64_t cur_seq = -1, cur_sc = -1;
     double seq_lr = 0.0, seq_exp = 0.0, seq_max = 0.0;
-    double cell_min = INFINITY, cell_max = -INFINITY, cell_lr2 = 0.0, cell_exp = 0.0;
-    int64_t n_touched = 0;
-    for (int64_t start = 0; start < n; start += BLOCK) {
-        const int64_t m = n - start < BLOCK ? n - start : BLOCK;
-        load_block(t, t_dtype, start, m, blk->t);
-        load_block(s, s_dtype, start, m, blk->s);
-        if (!block_values(p, m, blk, seq + start, turn ? turn + start : NULL, seq_cell, turn_table)) return -3;
-        for (int64_t k = 0; k < m; k++) {
-            const int64_t sq = seq[start + k], cell = blk->cell[k];
+    for (int64_t done = 0; done < n;) {
+        const int64_t m = n - done < BLOCK ? n - done : BLOCK;
+        if (!fill_block(p, ranges, n_ranges, &ri, &at, m, t, t_dtype, s, s_dtype, seq, turn, seq_cell, blk))
+            return -3;
+        if (!block_values(p, m, blk, turn != NULL, turn_table)) return -3;
+        done += m;
+        int64_t any_rare = 0;
+        for (int64_t k = 0; k < m; k++) any_rare |= blk->rare[k];
+        valid += m;
+        if (any_rare)
+            for (int64_t k = 0; k < m; k++)
+                if (blk->rare[k]) valid += add_rare(p, out, blk, k) - 1;
+        for (int64_t k = 0; k < m;) {
+            const int64_t sq = blk->seq[k], tb = blk->tb[k];
+            int64_t r = k + 1;
+            while (r < m && blk->seq[r] == sq && blk->tb[r] == tb) r++;
             if (sq != cur_seq) {
-                if (cur_seq >= 0) end_sequence(out, cur_seq, seq_invalid, seq_lr, seq_exp, seq_max);
+                if (cur_seq >= 0) end_sequence(out, cur_seq, seq_lr, seq_exp, seq_max);
                 cur_seq = sq;
-                seq_invalid = 0;
                 seq_lr = seq_exp = seq_max = 0.0;
-            }
-            if (cell != cur_cell) {
-                if (cur_cell >= 0)
-                    end_cell(out, nj, NB, cur_cell, local, lhist, touched, n_touched, cell_min, cell_max,
-                             cell_lr2, cell_exp);
-                n_touched = 0;
-                cur_cell = cell;
-                cell_min = INFINITY;
-                cell_max = -INFINITY;
-                cell_lr2 = cell_exp = 0.0;
-            }
-            const double lr = blk->lr[k], a = fabs(lr);
-            double k3 = blk->k3[k], e_abs = blk->e_abs[k], rho2 = blk->rho2[k];
-            int64_t jb = blk->joint[k], slot = blk->slot[k];
-            if (blk->rare[k]) {
-                const double tv = blk->t[k], sv = blk->s[k];
-                if (!(isfinite(tv) && isfinite(sv))) {
-                    out->n_nonfinite[cell]++;
-                    seq_invalid++;
-                    continue;
-                }
-                if (tv > p->tol || sv > p->tol) {
-                    out->n_positive[cell]++;
-                    seq_invalid++;
-                    continue;
-                }
-                if (a >= poly_max) {                     /* beyond the series: exactly */
-                    const double em1 = expm1(lr);
-                    k3 = em1 - lr;
-                    e_abs = exp(a);
-                    rho2 = (em1 + 1.0) * (em1 + 1.0);
-                }
-                if (a >= outlier_abs) {                  /* first boundary >= lr: its slot */
-                    int64_t region = 0;
-                    while (region < R - 1 && p->region_bounds[region] < lr) region++;
-                    slot = p->slot_of_region[region];
-                    jb += slot - (lr > 0);
+                if (blk->sc[k] != cur_sc) {
+                    if (cur_sc >= 0) end_cell(out, p, cur_sc, L);
+                    cur_sc = blk->sc[k];
                 }
             }
-            valid++;
-            double *j = local + jb * LW;
-            j[0] += 1.0;
-            j[1] += lr;
-            j[2] += k3;
-            local[slot * LW + 3] += rho2;
-            const int64_t bin = blk->bin[k];
-            touched[n_touched] = bin;                    /* kept when it is the bin's first */
-            n_touched += lhist[bin]++ == 0;
-            cell_lr2 += lr * lr;
-            cell_exp += e_abs;
-            cell_min = lr < cell_min ? lr : cell_min;
-            cell_max = lr > cell_max ? lr : cell_max;
-            seq_lr += lr;
-            seq_exp += e_abs;
-            seq_max = a > seq_max ? a : seq_max;
+            if (!L->used[n_turn + tb]) {
+                L->used[n_turn + tb] = 1;
+                L->used[L->n_used++] = tb;
+            }
+            V4 *restrict joint = L->joint + tb * COPIES * nc;
+            int32_t *restrict hist = L->hist + tb * (NB + 1);
+            for (int64_t i = k; i < r; i++) {
+                joint[(i & (COPIES - 1)) * nc + blk->jb[i]] += blk->v[i];
+                hist[blk->bin[i]]++;
+            }
+            const Run run = run_sums(blk, k, r, NB);
+            seq_lr += run.lr;
+            seq_exp += run.e_abs;
+            const double run_abs = -run.min_lr > run.max_lr ? -run.min_lr : run.max_lr;
+            seq_max = run_abs > seq_max ? run_abs : seq_max;
+            L->lr2[tb] += run.lr2;
+            L->e_abs[tb] += run.e_abs;
+            L->min_lr[tb] = run.min_lr < L->min_lr[tb] ? run.min_lr : L->min_lr[tb];
+            L->max_lr[tb] = run.max_lr > L->max_lr[tb] ? run.max_lr : L->max_lr[tb];
+            L->lo[tb] = run.lo < L->lo[tb] ? run.lo : L->lo[tb];
+            L->hi[tb] = run.hi > L->hi[tb] ? run.hi : L->hi[tb];
+            k = r;
         }
     }
-    if (cur_seq >= 0) end_sequence(out, cur_seq, seq_invalid, seq_lr, seq_exp, seq_max);
-    if (cur_cell >= 0)
-        end_cell(out, nj, NB, cur_cell, local, lhist, touched, n_touched, cell_min, cell_max, cell_lr2, cell_exp);
+    if (cur_seq >= 0) end_sequence(out, cur_seq, seq_lr, seq_exp, seq_max);
+    if (cur_sc >= 0) end_cell(out, p, cur_sc, L);
     return valid;
 }
 
-/* Every token statistic of n tokens, added into the caller's arrays (see TokenAccumulators in
- * token_pass.py; `joint` is [cells * NL * R, LW], `cell_sums` [cells, 2] (sums of lr^2 and of
- * exp|lr|); `abs_hist` is [cells * NB] int32, for
- * batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or a log-prob
- * above tol) count per cell and per sequence and touch nothing else. Returns the number of
- * valid tokens; -1 when the series has not the N_SERIES coefficients this file was compiled
- * for, -2 when memory runs out, -3 when a sequence id or turn index is out of range (nothing
- * is read through it; the caller's arrays then hold part of the pass). */
-int64_t mm_token_pass(const TokenParams *p, int64_t n, const void *t, int t_dtype, const void *s,
-                      int s_dtype, const int64_t *seq, const int64_t *turn, const int64_t *seq_cell,
-                      const int64_t *turn_table, double *joint, double *cell_sums, int32_t *abs_hist,
-                      double *min_lr,
-                      double *max_lr, int64_t *n_nonfinite, int64_t *n_positive, int64_t *seq_invalid,
-                      double *seq_sum_lr, double *seq_sum_exp_abs, double *seq_max_abs) {
+/* Every token statistic of the tokens in `ranges` ([n_ranges] Range, see there), added into
+ * the caller's arrays (see TokenAccumulators in token_pass.py; `joint` is [cells * NL * R, LW]
+ * with rho^2 per bin, `cell_sums` [cells, 2] (sums of lr^2 and of exp|lr|); `abs_hist` is
+ * [cells * NB] int32, for batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or
+ * a log-prob above tol) count per cell and per sequence and touch nothing else. Returns the
+ * number of valid tokens; -1 when the series has not the N_SERIES coefficients this file was
+ * compiled for, -2 when memory runs out, -3 when a sequence id or turn index is out of range
+ * (nothing is read through it; the caller's arrays then hold part of the pass). */
+int64_t mm_token_pass(const TokenParams *p, const Range *ranges, int64_t n_ranges, const void *t, int t_dtype,
+                      const void *s, int s_dtype, const int64_t *seq, const int64_t *turn,
+                      const int64_t *seq_cell, const int64_t *turn_table, double *joint, double *cell_sums,
+                      int32_t *abs_hist, double *min_lr, double *max_lr, int64_t *n_nonfinite,
+                      int64_t *n_positive, int64_t *seq_invalid, double *seq_sum_lr, double *seq_sum_exp_abs,
+                      double *seq_max_abs) {
     if (p->n_series != N_SERIES) return -1;
-    double *local = calloc((size_t)(p->NL * p->R * LW), sizeof(double));
-    int64_t *lhist = calloc((size_t)p->NB, sizeof(int64_t));
-    int64_t *touched = malloc((size_t)(p->NB + 1) * sizeof(int64_t));
-    Block *blk = malloc(sizeof(Block));
+    const int64_t T = p->n_turn, NB = p->NB;
+    const size_t n_joint = (size_t)(T * COPIES * 2 * p->NL);
+    Local L = {0};
+    L.joint = aligned_alloc(64, (n_joint * sizeof(V4) + 63) / 64 * 64);
+    L.hist = calloc((size_t)(T * (NB + 1)), sizeof(int32_t));
+    double *sums = malloc((size_t)(4 * T) * sizeof(double));
+    int64_t *ints = calloc((size_t)(4 * T), sizeof(int64_t));
+    Block *blk = aligned_alloc(64, (sizeof(Block) + 63) / 64 * 64);
     int64_t valid = -2;
-    if (local && lhist && touched && blk) {
+    if (L.joint && L.hist && sums && ints && blk) {
+        memset(L.joint, 0, n_joint * sizeof(V4));
+        L.lr2 = sums;
+        L.e_abs = sums + T;
+        L.min_lr = sums + 2 * T;
+        L.max_lr = sums + 3 * T;
+        L.lo = ints;
+        L.hi = ints + T;
+        L.used = ints + 2 * T;        /* [T] the list, then [T] flags */
+        for (int64_t tb = 0; tb < T; tb++) reset_bucket(&L, tb, NB);
         Out out = {joint, cell_sums, min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
                    abs_hist, n_nonfinite, n_positive, seq_invalid};
-        valid = token_blocks(p, n, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out, local, lhist,
-                             touched, blk);
+        valid = token_blocks(p, ranges, n_ranges, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out,
+                             &L, blk);
     }
-    free(local);
-    free(lhist);
-    free(touched);
+    free(L.joint);
+    free(L.hist);
+    free(sums);
+    free(ints);
     free(blk);
     return valid;
 }

@@ -59,7 +59,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(spec.origin)
     lib.mm_token_pass.restype = _I
-    lib.mm_token_pass.argtypes = [ctypes.POINTER(TokenParams), _I, _P, ctypes.c_int, _P, ctypes.c_int,
+    lib.mm_token_pass.argtypes = [ctypes.POINTER(TokenParams), _P, _I, _P, ctypes.c_int, _P, ctypes.c_int,
                                   _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
     lib.mm_nonzero.restype = _I
     lib.mm_nonzero.argtypes = [_P, _I, _I, _P]
@@ -156,17 +156,22 @@ class TokenKernel:
             series=_ptr(series), n_series=len(series), n_seq=n_seq)
         return cls(params, keep)
 
-    def run(self, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor, turn: torch.Tensor | None,
-            seq_cell: torch.Tensor, turn_table: torch.Tensor | None, joint: torch.Tensor,
-            cell_sums: torch.Tensor, acc) -> int:
-        """One range of tokens into ``joint`` ([J, JW] float64: count, lr, k3 per bin, rho^2 per
-        slot on the bins of lowprob bucket 0), ``cell_sums`` ([cells, 2]: sums of lr^2 and
-        exp|lr|) and the accumulators ``acc``, whose ``abs_hist`` is int32 here."""
+    def run(self, ranges: np.ndarray, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor,
+            turn: torch.Tensor | None, seq_cell: torch.Tensor, turn_table: torch.Tensor | None,
+            joint: torch.Tensor, cell_sums: torch.Tensor, acc) -> int:
+        """The tokens of ``ranges`` ([n, 3] int64 rows (start, stop, sequence), or sequence -1 for
+        a range whose ids are read from ``seq``; see :func:`sequence_ranges`) of the whole-batch
+        tensors into ``joint`` ([J, JW] float64: count, lr, k3, rho^2 per bin), ``cell_sums``
+        ([cells, 2]: sums of lr^2 and exp|lr|) and the accumulators ``acc``, whose ``abs_hist``
+        is int32 here."""
         t, s = _float(t), _float(s)
+        seq, seq_cell = seq.contiguous(), seq_cell.contiguous()
+        turn = None if turn is None else turn.contiguous()
+        ranges = np.ascontiguousarray(ranges, dtype=np.int64)
         valid = library().mm_token_pass(
-            ctypes.byref(self.params), t.numel(), _ptr(t), _DTYPES[t.dtype], _ptr(s), _DTYPES[s.dtype],
-            _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(joint), _ptr(cell_sums),
-            _ptr(acc.abs_hist),
+            ctypes.byref(self.params), _ptr(ranges), len(ranges), _ptr(t), _DTYPES[t.dtype], _ptr(s),
+            _DTYPES[s.dtype], _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(joint),
+            _ptr(cell_sums), _ptr(acc.abs_hist),
             _ptr(acc.min_lr), _ptr(acc.max_lr), _ptr(acc.n_nonfinite), _ptr(acc.n_positive),
             _ptr(acc.seq_invalid), _ptr(acc.seq_sum_lr), _ptr(acc.seq_sum_exp_abs), _ptr(acc.seq_max_abs))
         if valid == -2:
@@ -177,6 +182,26 @@ class TokenKernel:
         if valid < 0:
             raise RuntimeError("the compiled token pass was built for another series length; reinstall")
         return valid
+
+
+def sequence_ranges(start: int, stop: int, seq_offsets: np.ndarray | None, seq_cell: np.ndarray) -> np.ndarray:
+    """The order the compiled pass takes tokens [start, stop) in: [n, 3] int64 rows (start,
+    stop, sequence). With ``seq_offsets`` (every sequence contiguous), one row per sequence,
+    the sequences of one sequence cell one after the other (stable, so in batch order inside a
+    cell): the pass then keeps a cell's bins in cache until the cell's last sequence, instead
+    of adding them to the [cells x bins] arrays at every change of cell. Without, one row of
+    the tokens in batch order, their sequence ids read per token."""
+    if seq_offsets is None:
+        return np.array([[start, stop, -1]], dtype=np.int64)
+    first = int(np.searchsorted(seq_offsets, start, side="right")) - 1
+    last = int(np.searchsorted(seq_offsets, stop, side="left"))
+    seqs = np.arange(first, last, dtype=np.int64)
+    lo = np.maximum(seq_offsets[first:last], start)
+    hi = np.minimum(seq_offsets[first + 1:last + 1], stop)
+    keep = hi > lo
+    seqs, lo, hi = seqs[keep], lo[keep], hi[keep]
+    order = np.argsort(seq_cell[seqs], kind="stable")
+    return np.stack([lo[order], hi[order], seqs[order]], axis=1)
 
 
 def _float(t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..batch import TokenBatch
@@ -176,22 +177,25 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
     acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
 
 
-def _native_chunk(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.Tensor, batch: TokenBatch,
-                  cells: Cells, p: _Plan, start: int, stop: int) -> None:
-    """The compiled pass over one chunk; the optional support inputs go through torch ops."""
-    seq = batch.seq_index[start:stop]
-    turn = None if batch.turn_index is None else batch.turn_index[start:stop]
-    p.kernel.run(batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop], seq, turn,
+def _native_share(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.Tensor, batch: TokenBatch,
+                  cells: Cells, p: _Plan, ranges: np.ndarray, chunk_starts: list[int], chunk: int) -> None:
+    """The compiled pass over one worker's tokens (``ranges``, see native.sequence_ranges);
+    the optional support inputs go through torch ops, chunk by chunk."""
+    p.kernel.run(ranges, batch.trainer_logprobs, batch.sampler_logprobs, batch.seq_index, batch.turn_index,
                  cells.seq_cell, p.turn_table, joint, cell_sums, acc)
     if batch.in_trainer_support is None and batch.sampler_kept_logmass is None:
         return
-    cell = cells.token_cells(seq, turn, p.turn_table)
-    valid_cell = cell
-    if batch.sampler_kept_logmass is not None:
-        t, s = batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop]
-        finite, positive = token_validity(t.to(torch.float64), s.to(torch.float64), p.tol)
-        valid_cell = torch.where(finite & ~positive, cell, p.C)
-    _add_support(acc, batch, p, start, stop, cell, valid_cell)
+    for start in chunk_starts:
+        stop = min(start + chunk, batch.num_tokens)
+        seq = batch.seq_index[start:stop]
+        turn = None if batch.turn_index is None else batch.turn_index[start:stop]
+        cell = cells.token_cells(seq, turn, p.turn_table)
+        valid_cell = cell
+        if batch.sampler_kept_logmass is not None:
+            t, s = batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop]
+            finite, positive = token_validity(t.to(torch.float64), s.to(torch.float64), p.tol)
+            valid_cell = torch.where(finite & ~positive, cell, p.C)
+        _add_support(acc, batch, p, start, stop, cell, valid_cell)
 
 
 def _add_support(acc: TokenAccumulators, batch: TokenBatch, p: _Plan, start: int, stop: int,
@@ -214,8 +218,7 @@ def _add_support(acc: TokenAccumulators, batch: TokenBatch, p: _Plan, start: int
 def _fold_joint(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.Tensor, p: _Plan) -> None:
     """The compiled pass's joint bins ([J, JW]: count, lr, k3, rho^2) and per-cell sums
     ([C + 1, 2]: lr^2, exp|lr|) into the accumulators. The tables read lr^2 and exp|lr| only
-    per cell and rho^2 only per (cell, slot), summed over lowprob buckets (tables.py), so the
-    per-cell sums go to each cell's first bin and rho^2 stays where the pass put it."""
+    per cell (tables.py), so the per-cell sums go to each cell's first bin."""
     sums = dict(zip(JOINT_SUMS, acc.joint_sums))
     acc.joint_n += joint[:, 0].to(torch.int64)
     sums["lr"] += joint[:, 1]
@@ -246,16 +249,21 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
     chunk = config.chunk_tokens
     starts = list(range(0, N, chunk))
 
+    if plan.kernel is not None:
+        offsets = None if batch.seq_offsets is None else batch.seq_offsets.numpy()
+        seq_cell = cells.seq_cell.numpy()
+
     def run(my_starts: list[int]) -> TokenAccumulators:
         if plan.kernel is not None:
             # the compiled pass counts into 32-bit histogram bins (half the cache lines; no
             # count can reach 2^31 in a batch of fewer tokens, see _plan); the non-zero ones
-            # are widened when the table is made
+            # are widened when the table is made. It needs no chunks: its memory does not
+            # grow with the tokens.
             acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device, torch.int32)
             joint = torch.zeros(plan.J, native.JW, dtype=torch.float64)
             cell_sums = torch.zeros(plan.C + 1, 2, dtype=torch.float64)
-            for st in my_starts:
-                _native_chunk(acc, joint, cell_sums, batch, cells, plan, st, min(st + chunk, N))
+            ranges = native.sequence_ranges(my_starts[0], min(my_starts[-1] + chunk, N), offsets, seq_cell)
+            _native_share(acc, joint, cell_sums, batch, cells, plan, ranges, my_starts, chunk)
             _fold_joint(acc, joint, cell_sums, plan)
             return acc
         acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
