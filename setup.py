@@ -4,7 +4,36 @@ The extension is optional: without a C compiler the install goes on and the engi
 torch implementation (see mismatch_monitor/engine/native.py).
 """
 
+import os
+import tempfile
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+# Flags used where the compiler takes them: GCC's generic tuning turns vector gathers off (slow
+# on some older CPUs); the histogram-bin lookups of the token pass are gathers, and on CPUs
+# with fast gathers they take about 15% off the pass.
+OPTIONAL_FLAGS = ["-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather"]
+
+
+class BuildExt(build_ext):
+    def build_extensions(self) -> None:
+        extra = [flag for flag in OPTIONAL_FLAGS if self._accepts(flag)]
+        for ext in self.extensions:
+            ext.extra_compile_args = list(ext.extra_compile_args) + extra
+        super().build_extensions()
+
+    def _accepts(self, flag: str) -> bool:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "probe.c")
+            with open(src, "w") as f:
+                f.write("int main(void) { return 0; }\n")
+            try:
+                self.compiler.compile([src], output_dir=tmp, extra_postargs=["-Werror", flag])
+            except Exception:
+                return False
+            return True
+
 
 setup(
     ext_modules=[
@@ -16,5 +45,6 @@ setup(
             extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math"],
             optional=True,
         )
-    ]
+    ],
+    cmdclass={"build_ext": BuildExt},
 )

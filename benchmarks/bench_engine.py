@@ -145,18 +145,15 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """(best wall time in seconds, peak extra MiB of the first run)."""
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Best wall time in seconds of ``repeat`` runs (memory is measured apart, in a child
+    process: a sampling thread here would take CPU from the timed threads)."""
     best = math.inf
-    with PeakRSS() as mem:
-        t0 = time.perf_counter()
-        fn()
-        best = time.perf_counter() - t0
-    for _ in range(repeat - 1):
+    for _ in range(repeat):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
-    return best, mem.extra_mb
+    return best
 
 
 # ----------------------------------------------------------------------------- baselines
@@ -289,12 +286,12 @@ def routing_bench(n_tokens: int, layers: int = 48, k: int = 8, experts: int = 12
         te.view(torch.int64).sum()
         se.view(torch.int64).sum()
 
-    floor_t, _ = timed(floor, 3)
+    floor_t = timed(floor, 3)
     compiled = native.available()
-    eng_t, _ = timed(lambda: routing_counts(te, se, cell, 1536, CONFIG.chunk_tokens, compiled=compiled), 3)
+    eng_t = timed(lambda: routing_counts(te, se, cell, 1536, CONFIG.chunk_tokens, compiled=compiled), 3)
     # sorting every row along K, the obvious set comparison, on 2% of the tokens
     sub = max(1, n_tokens // 50)
-    sort_t, _ = timed(lambda: (te[:sub].sort(-1).values != se[:sub].sort(-1).values).any(-1), 1)
+    sort_t = timed(lambda: (te[:sub].sort(-1).values != se[:sub].sort(-1).values).any(-1), 1)
     return dict(floor=floor_t, engine=eng_t, sort_all=sort_t * n_tokens / sub,
                 gb=2 * te.numel() / 1e9)
 
@@ -354,29 +351,29 @@ def main() -> None:
         d = make_data(n)
         nbytes = sum(t.numel() * t.element_size() for t in
                      (d.batch.trainer_logprobs, d.batch.sampler_logprobs, d.batch.seq_index, d.batch.turn_index))
-        repeat = 3 if n <= 2_000_000 else 2
+        repeat = 5 if n <= 8_000_000 else 3
         naive_s = naive_note = pandas_s = pandas_note = None
         floors = {}
         for th in threads:
             torch.set_num_threads(th)
-            floors[th], _ = timed(lambda: read_floor(d), 5)
+            floors[th] = timed(lambda: read_floor(d), 5)
         best_floor = min(floors.values())
         eng_mem = engine_memory(n)
         for th in threads:
             torch.set_num_threads(th)
             floor_t = floors[th]
-            eng_t, _ = timed(lambda: compute_stats(d.batch, CONFIG), repeat)
+            eng_t = timed(lambda: compute_stats(d.batch, CONFIG), repeat)
             eng2_t = torch_t = None
             if th == 1:  # two Python threads, each running single-threaded ops
-                eng2_t, _ = timed(lambda: compute_stats(d.batch, CONFIG, workers=2), repeat)
+                eng2_t = timed(lambda: compute_stats(d.batch, CONFIG, workers=2), repeat)
                 # the torch implementation of the same pass (GPUs, installs without a compiler)
-                torch_t, _ = timed(lambda: compute_stats(d.batch, TORCH_OPS), repeat)
+                torch_t = timed(lambda: compute_stats(d.batch, TORCH_OPS), repeat)
             if naive_s is None:
                 est, timed_cells, all_cells = naive(d, args.naive_cells)
                 naive_s = est
                 naive_note = "~" if timed_cells < all_cells else " "
                 if n <= pandas_max:
-                    pandas_s, _ = timed(lambda: pandas_groupby(d), 1)
+                    pandas_s = timed(lambda: pandas_groupby(d), 1)
                     pandas_rate = pandas_s / n
                     pandas_note = " "
                 elif pandas_rate is not None:

@@ -67,7 +67,7 @@ typedef struct {
     int64_t rare[BLOCK];
 } Block;
 
-static void load_values(const void *src, int dtype, int64_t start, int64_t m, double *dst) {
+static inline __attribute__((always_inline)) void load_values(const void *src, int dtype, int64_t start, int64_t m, double *dst) {
     if (dtype) {
         memcpy(dst, (const double *)src + start, (size_t)m * sizeof(double));
     } else {
@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) double masked(double x, int64_t mas
 
 /* The next m tokens of the ranges (from range *ri, token *at) into the block: values, sequence,
  * sequence cell and turn index. Returns 0 when an id is out of range (nothing read through it). */
-static int fill_block(const TokenParams *p, const Range *ranges, int64_t n_ranges, int64_t *ri, int64_t *at,
+static inline __attribute__((always_inline)) int fill_block(const TokenParams *p, const Range *ranges, int64_t n_ranges, int64_t *ri, int64_t *at,
                       int64_t m, const void *t, int t_dtype, const void *s, int s_dtype,
                       const int64_t *restrict seq, const int64_t *restrict turn,
                       const int64_t *restrict seq_cell, Block *restrict b) {

@@ -204,6 +204,31 @@ def sequence_ranges(start: int, stop: int, seq_offsets: np.ndarray | None, seq_c
     return np.stack([lo[order], hi[order], seqs[order]], axis=1)
 
 
+def split_by_cell(ranges: np.ndarray, seq_cell: np.ndarray, n: int, slack: float = 0.05) -> list[np.ndarray] | None:
+    """``ranges`` (grouped by sequence cell, see :func:`sequence_ranges`) cut at cell boundaries
+    into ``n`` parts of about equal tokens, so that no cell (and no sequence) is in two parts;
+    None when the cells do not allow parts within ``slack`` of an equal share."""
+    if n <= 1:
+        return [ranges]
+    tokens = np.cumsum(ranges[:, 1] - ranges[:, 0])
+    total = int(tokens[-1]) if len(tokens) else 0
+    cell = seq_cell[ranges[:, 2]] if (ranges[:, 2] >= 0).all() else None
+    if cell is None or total == 0:
+        return None
+    firsts = np.flatnonzero(np.diff(cell)) + 1                 # ranges that start a new cell
+    if len(firsts) < n - 1:
+        return None
+    before = tokens[firsts - 1]
+    cuts = [int(firsts[np.abs(before - total * k / n).argmin()]) for k in range(1, n)]
+    bounds = [0] + sorted(set(cuts)) + [len(ranges)]
+    if len(bounds) != n + 1:
+        return None
+    sizes = np.diff(np.concatenate([[0], tokens])[bounds])
+    if sizes.max() > (1 + slack) * total / n:
+        return None
+    return [ranges[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
 def _float(t: torch.Tensor) -> torch.Tensor:
     """float32 / float64 as they are; bf16 / fp16 widen to float32 exactly."""
     t = t.contiguous()

@@ -6,6 +6,7 @@ Token sums are exact algebra on the joint (cell, lowprob bucket, region) bins of
 
 from __future__ import annotations
 
+import functools
 from typing import Mapping
 
 import numpy as np
@@ -65,7 +66,7 @@ def sparse_columns(table: str, dims: list[str], keys: Columns, width: int, key: 
     idx = native.flat_nonzero(nonzero)
     cell = idx // width
     columns: dict[str, object] = {c: take_rows(v, cell) for c, v in keys.items()}
-    columns[key] = idx % width
+    columns[key] = idx - cell * width
     columns.update({name: v[idx] for name, v in values.items()})
     return typed_columns(table, dims, columns)
 
@@ -155,6 +156,11 @@ def lowprob_table(joint: JointBins, keys: Columns, dims: list[str]) -> pd.DataFr
                    "sum_k3": joint.sums["k3"].sum(2).ravel()}, n.ravel())
 
 
+@functools.lru_cache(maxsize=1)
+def _kinds() -> pd.api.extensions.ExtensionArray:
+    return pd.array(list(SEQ_HIST_KINDS), dtype="string")
+
+
 def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, config: MetricConfig,
                     dims: list[str]) -> tuple[dict[str, object], pd.DataFrame, pd.DataFrame]:
     """(sequences as typed columns, seq_hist, staleness): per sequence-cell statistics of
@@ -229,7 +235,7 @@ def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, con
     kind_cell, b = np.divmod(key, width)
     kind, c = np.divmod(kind_cell, S)
     columns: dict[str, object] = {k: take_rows(v, c) for k, v in keys.items()}
-    columns["kind"] = pd.array(np.array(SEQ_HIST_KINDS, dtype=object)[kind], dtype="string")
+    columns["kind"] = _kinds().take(kind)
     columns["bin"] = b - (bins.num_bins - 1)
     columns["count"] = counts
     seq_hist = frame("seq_hist", dims, columns)

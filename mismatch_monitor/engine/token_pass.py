@@ -177,25 +177,63 @@ def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Pla
     acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
 
 
-def _native_share(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.Tensor, batch: TokenBatch,
-                  cells: Cells, p: _Plan, ranges: np.ndarray, chunk_starts: list[int], chunk: int) -> None:
-    """The compiled pass over one worker's tokens (``ranges``, see native.sequence_ranges);
-    the optional support inputs go through torch ops, chunk by chunk."""
-    p.kernel.run(ranges, batch.trainer_logprobs, batch.sampler_logprobs, batch.seq_index, batch.turn_index,
-                 cells.seq_cell, p.turn_table, joint, cell_sums, acc)
-    if batch.in_trainer_support is None and batch.sampler_kept_logmass is None:
-        return
-    for start in chunk_starts:
-        stop = min(start + chunk, batch.num_tokens)
-        seq = batch.seq_index[start:stop]
-        turn = None if batch.turn_index is None else batch.turn_index[start:stop]
-        cell = cells.token_cells(seq, turn, p.turn_table)
-        valid_cell = cell
-        if batch.sampler_kept_logmass is not None:
-            t, s = batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop]
-            finite, positive = token_validity(t.to(torch.float64), s.to(torch.float64), p.tol)
-            valid_cell = torch.where(finite & ~positive, cell, p.C)
-        _add_support(acc, batch, p, start, stop, cell, valid_cell)
+def _native_pass(batch: TokenBatch, cells: Cells, p: _Plan, chunk: int, workers: int) -> TokenAccumulators:
+    """The compiled pass. It needs no chunks (its memory does not grow with the tokens); up to
+    ``workers`` threads, one per ``chunk`` tokens at least, take sequence cells of about equal
+    tokens each into one set of accumulators: no cell and no sequence is two workers', so
+    there is nothing to merge. When the cells do not split evenly (few cells, or sequences not
+    contiguous), each thread takes an equal share of the tokens into accumulators of its own,
+    merged at the end. The optional support inputs go through torch ops, chunk by chunk."""
+    N = batch.num_tokens
+    offsets = None if batch.seq_offsets is None else batch.seq_offsets.numpy()
+    seq_cell = cells.seq_cell.numpy()
+    n = max(1, min(workers, -(-N // chunk)))
+
+    def fresh() -> tuple[TokenAccumulators, torch.Tensor, torch.Tensor]:
+        # histogram counts are 32-bit here (half the cache lines; no count can reach 2^31 in
+        # a batch of fewer tokens, see _plan); the non-zero ones are widened in the tables
+        return (TokenAccumulators.zeros(p.C, p.B, p.J, p.bins.num_bins, batch.device, torch.int32),
+                torch.zeros(p.J, native.JW, dtype=torch.float64), torch.zeros(p.C + 1, 2, dtype=torch.float64))
+
+    def run(into: tuple[TokenAccumulators, torch.Tensor, torch.Tensor], ranges: np.ndarray) -> None:
+        acc, joint, cell_sums = into
+        p.kernel.run(ranges, batch.trainer_logprobs, batch.sampler_logprobs, batch.seq_index, batch.turn_index,
+                     cells.seq_cell, p.turn_table, joint, cell_sums, acc)
+
+    ranges = native.sequence_ranges(0, N, offsets, seq_cell)
+    parts = [ranges] if n == 1 else native.split_by_cell(ranges, seq_cell, n)
+    if parts is not None:
+        shared = fresh()
+        if len(parts) == 1:
+            run(shared, parts[0])
+        else:
+            with ThreadPoolExecutor(max_workers=len(parts)) as pool:
+                list(pool.map(lambda part: run(shared, part), parts))
+        states = [shared]
+    else:
+        bounds = [N * i // n for i in range(n + 1)]
+        states = [fresh() for _ in range(n)]
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            list(pool.map(lambda i: run(states[i], native.sequence_ranges(bounds[i], bounds[i + 1], offsets,
+                                                                          seq_cell)), range(n)))
+    for acc, joint, cell_sums in states:
+        _fold_joint(acc, joint, cell_sums, p)
+    total = states[0][0]
+    for other, _, _ in states[1:]:
+        total.merge_(other)
+    if batch.in_trainer_support is not None or batch.sampler_kept_logmass is not None:
+        for start in range(0, N, chunk):
+            stop = min(start + chunk, N)
+            seq = batch.seq_index[start:stop]
+            turn = None if batch.turn_index is None else batch.turn_index[start:stop]
+            cell = cells.token_cells(seq, turn, p.turn_table)
+            valid_cell = cell
+            if batch.sampler_kept_logmass is not None:
+                t, s = batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop]
+                finite, positive = token_validity(t.to(torch.float64), s.to(torch.float64), p.tol)
+                valid_cell = torch.where(finite & ~positive, cell, p.C)
+            _add_support(total, batch, p, start, stop, cell, valid_cell)
+    return total
 
 
 def _add_support(acc: TokenAccumulators, batch: TokenBatch, p: _Plan, start: int, stop: int,
@@ -250,22 +288,9 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
     starts = list(range(0, N, chunk))
 
     if plan.kernel is not None:
-        offsets = None if batch.seq_offsets is None else batch.seq_offsets.numpy()
-        seq_cell = cells.seq_cell.numpy()
+        return _native_pass(batch, cells, plan, chunk, workers)
 
     def run(my_starts: list[int]) -> TokenAccumulators:
-        if plan.kernel is not None:
-            # the compiled pass counts into 32-bit histogram bins (half the cache lines; no
-            # count can reach 2^31 in a batch of fewer tokens, see _plan); the non-zero ones
-            # are widened when the table is made. It needs no chunks: its memory does not
-            # grow with the tokens.
-            acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device, torch.int32)
-            joint = torch.zeros(plan.J, native.JW, dtype=torch.float64)
-            cell_sums = torch.zeros(plan.C + 1, 2, dtype=torch.float64)
-            ranges = native.sequence_ranges(my_starts[0], min(my_starts[-1] + chunk, N), offsets, seq_cell)
-            _native_share(acc, joint, cell_sums, batch, cells, plan, ranges, my_starts, chunk)
-            _fold_joint(acc, joint, cell_sums, plan)
-            return acc
         acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
         ones = torch.ones(min(chunk, N), dtype=torch.int64, device=batch.device)
         for st in my_starts:
