@@ -168,11 +168,17 @@ def test_batches_past_32_bit_counts_take_the_torch_ops():
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_flat_nonzero_matches_numpy(dtype):
+def test_nonzero_rows_match_numpy(dtype):
     rng = np.random.default_rng(7)
-    for size, density in ((70_000, 0.0), (70_000, 0.3), (200_003, 0.9), (100, 0.5)):
-        values = (rng.random(size) < density).astype(dtype) * rng.integers(-3, 4, size).astype(dtype)
-        np.testing.assert_array_equal(native.flat_nonzero(values), np.flatnonzero(values))
+    for rows, width, density in ((700, 100, 0.0), (700, 100, 0.3), (1001, 200, 0.9), (10, 10, 0.5), (70_000, 1, 1.0)):
+        values = (rng.random(rows * width) < density).astype(dtype) * rng.integers(-3, 4, rows * width).astype(dtype)
+        values[-1] = 0                                   # the last write is past the count
+        idx = np.flatnonzero(values)
+        row, col, val = native.nonzero_rows(values, width)
+        np.testing.assert_array_equal(row, idx // width)
+        np.testing.assert_array_equal(col, idx % width)
+        np.testing.assert_array_equal(val, values[idx])
+        assert row.dtype == col.dtype == val.dtype == np.int64
 
 
 def test_ids_out_of_range_raise_instead_of_reading_past_the_arrays():

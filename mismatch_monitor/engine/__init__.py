@@ -8,6 +8,7 @@ Computation runs on the batch's device; the returned tables live on the CPU.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from . import native
+from .fields import TABLES
 from .histogram import LogBins
 from .routing import routing_counts
 from .slicing import Cells, assign_cells, bucket_table, dimension_names
@@ -62,26 +64,43 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     NL = len(config.lowprob_edges) + 1
     joint = JointBins(acc, C, NL, Regions.from_config(config))
     keys = cells.token_key_columns()
-    routing, per_layer = _routing(batch, cells, config)
     NB = LogBins.from_config(config).num_bins
     hist = np_(acc.abs_hist[: C * NB])
-    arrays = {"tokens": token_table(acc, joint, keys, config, dims, routing),
-              "abs_hist": sparse_columns("abs_hist", dims, keys, NB, "bin", {"count": hist}, hist)}
-    tables = {
-        "tokens": pd.DataFrame(arrays["tokens"], copy=False),
-        "abs_hist": pd.DataFrame(arrays["abs_hist"], copy=False),
-        "lowprob": lowprob_table(joint, keys, dims),
-        "routing_layers": empty_table("routing_layers", dims) if per_layer is None else
-        sparse("routing_layers", dims, keys, per_layer.shape[1], "layer", {"n_flips": per_layer.ravel()},
-               per_layer.ravel()),
-    }
-    arrays["sequences"], seq_hist, staleness = sequence_tables(acc, batch, cells, config, dims)
-    tables.update(sequences=pd.DataFrame(arrays["sequences"], copy=False), seq_hist=seq_hist,
-                  staleness=staleness)
+    # the histogram's rows (the largest table: label columns taken row by row, outside the GIL)
+    # are assembled beside the other tables when there is a second worker
+    pool = ThreadPoolExecutor(max_workers=1) if workers > 1 else None
+    try:
+        hist_rows = (pool.submit if pool else _now)(
+            sparse_columns, "abs_hist", dims, keys, NB, "bin", {"count": hist}, hist)
+        routing, per_layer = _routing(batch, cells, config)
+        arrays = {"tokens": token_table(acc, joint, keys, config, dims, routing)}
+        tables = {
+            "tokens": pd.DataFrame(arrays["tokens"], copy=False),
+            "lowprob": lowprob_table(joint, keys, dims),
+            "routing_layers": empty_table("routing_layers", dims) if per_layer is None else
+            sparse("routing_layers", dims, keys, per_layer.shape[1], "layer", {"n_flips": per_layer.ravel()},
+                   per_layer.ravel()),
+        }
+        arrays["sequences"], seq_hist, staleness = sequence_tables(acc, batch, cells, config, dims)
+        tables.update(sequences=pd.DataFrame(arrays["sequences"], copy=False), seq_hist=seq_hist,
+                      staleness=staleness)
+        arrays["abs_hist"] = hist_rows.result()
+    finally:
+        if pool:
+            pool.shutdown()
+    tables["abs_hist"] = pd.DataFrame(arrays["abs_hist"], copy=False)
+    tables = {name: tables[name] for name in TABLES}
     B = batch.num_sequences
     values = SequenceValues(max_abs_lr=acc.seq_max_abs[:B], sum_lr=acc.seq_sum_lr[:B],
                             n_valid=cells.seq_length - acc.seq_invalid[:B])
     return MismatchStats(tables, tuple(dims), arrays), values
+
+
+def _now(fn, *args) -> Future:
+    """``fn(*args)`` run here, as a done future."""
+    done: Future = Future()
+    done.set_result(fn(*args))
+    return done
 
 
 def _routing(batch: TokenBatch, cells: Cells, config: MetricConfig

@@ -506,21 +506,54 @@ int64_t mm_token_pass(const TokenParams *p, const Range *ranges, int64_t n_range
 
 /* ------------------------------------------------------------------ non-zero entries */
 
-/* Indices of the non-zero entries of values[0..n) (`size` bytes each: 4 or 8), ascending,
- * into out; returns how many. */
-int64_t mm_nonzero(const void *values, int64_t n, int64_t size, int64_t *out) {
+/* The non-zero entries of a [rows x width] array (`size` bytes each: 4 or 8) as (row, column,
+ * value) triples in row-major order, into arrays of at least count + 1 entries (each entry is
+ * written before the count decides whether it stays); `count` from mm_count_nonzero. */
+int64_t mm_count_nonzero(const void *values, int64_t n, int64_t size) {
     int64_t k = 0;
     if (size == 4) {
         const int32_t *v = values;
-        for (int64_t i = 0; i < n; i++) {
-            out[k] = i;
-            k += v[i] != 0;
-        }
+        for (int64_t i = 0; i < n; i++) k += v[i] != 0;
     } else {
         const int64_t *v = values;
-        for (int64_t i = 0; i < n; i++) {
-            out[k] = i;
-            k += v[i] != 0;
+        for (int64_t i = 0; i < n; i++) k += v[i] != 0;
+    }
+    return k;
+}
+
+#define NZ_GROUP 16
+
+static inline int64_t entry(const void *values, int64_t size, int64_t i) {
+    return size == 4 ? ((const int32_t *)values)[i] : ((const int64_t *)values)[i];
+}
+
+/* Groups of NZ_GROUP entries without a non-zero one (most of a sparse histogram) are skipped
+ * after one vectorized test; the others go entry by entry, branch-free. */
+int64_t mm_nonzero_rows(const void *values, int64_t rows, int64_t width, int64_t size, int64_t *row, int64_t *col,
+                        int64_t *val) {
+    int64_t k = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t base = r * width;
+        for (int64_t c0 = 0; c0 < width; c0 += NZ_GROUP) {
+            const int64_t end = c0 + NZ_GROUP < width ? c0 + NZ_GROUP : width;
+            if (end - c0 == NZ_GROUP) {
+                int64_t any = 0;
+                if (size == 4) {
+                    const int32_t *v = (const int32_t *)values + base + c0;
+                    for (int j = 0; j < NZ_GROUP; j++) any |= v[j];
+                } else {
+                    const int64_t *v = (const int64_t *)values + base + c0;
+                    for (int j = 0; j < NZ_GROUP; j++) any |= v[j];
+                }
+                if (!any) continue;
+            }
+            for (int64_t c = c0; c < end; c++) {
+                const int64_t v = entry(values, size, base + c);
+                row[k] = r;
+                col[k] = c;
+                val[k] = v;
+                k += v != 0;
+            }
         }
     }
     return k;

@@ -62,12 +62,18 @@ def take_rows(values: object, rows: np.ndarray) -> object:
 
 def sparse_columns(table: str, dims: list[str], keys: Columns, width: int, key: str,
                    values: Mapping[str, np.ndarray], nonzero: np.ndarray) -> dict[str, object]:
-    """Rows (cell, index) where ``nonzero`` [C * width] is non-zero; values are [C * width]."""
-    idx = native.flat_nonzero(nonzero)
-    cell = idx // width
+    """Rows (cell, index) where the integer array ``nonzero`` [C * width] is non-zero; values
+    are [C * width] (``nonzero`` itself among them is read off with the rows)."""
+    cell, at, counts = native.nonzero_rows(nonzero, width)
     columns: dict[str, object] = {c: take_rows(v, cell) for c, v in keys.items()}
-    columns[key] = idx - cell * width
-    columns.update({name: v[idx] for name, v in values.items()})
+    columns[key] = at
+    idx = None
+    for name, v in values.items():
+        if v is nonzero:
+            columns[name] = counts
+        else:
+            idx = cell * width + at if idx is None else idx
+            columns[name] = v[idx]
     return typed_columns(table, dims, columns)
 
 
