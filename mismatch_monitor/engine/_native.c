@@ -39,7 +39,7 @@ typedef struct {
 } TokenParams;
 
 #define N_SERIES 9
-#define LW 4                  /* joint bins, local and the caller's: count, lr, k3, rho^2 */
+#define LW 4                  /* local joint bins: count, lr, k3, rho^2 */
 #define BLOCK 256             /* tokens per block: the block's arrays stay in L1 */
 #define COPIES 2              /* local joint bins: even and odd tokens add into their own copy */
 
@@ -205,7 +205,9 @@ static inline int block_values(const TokenParams *p, int64_t m, Block *b, int ha
 }
 
 typedef struct {
-    double *joint, *cell_sums, *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
+    int64_t *joint_n;         /* [J] count per joint bin (cell, lowprob bucket, region slot) */
+    double *joint_lr, *joint_lr2, *joint_k3, *joint_exp_abs, *joint_rho2;   /* [J] sums per joint bin */
+    double *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
     int32_t *abs_hist;
     int64_t *n_nonfinite, *n_positive, *seq_invalid;
 } Out;
@@ -246,13 +248,13 @@ static int64_t add_rare(const TokenParams *p, const Out *out, Block *b, int64_t 
     int64_t bin;
     bins_of(p, 1, &lr, &bin);
     out->abs_hist[cell * NB + bin]++;
-    double *j = out->joint + ((cell * p->NL + (b->jb[k] >> 1)) * R + slot) * LW;
-    j[0] += 1.0;
-    j[1] += lr;
-    j[2] += k3;
-    j[3] += rho2;
-    out->cell_sums[2 * cell] += lr * lr;
-    out->cell_sums[2 * cell + 1] += e_abs;
+    const int64_t first = cell * p->NL * R, j = first + (b->jb[k] >> 1) * R + slot;
+    out->joint_n[j]++;
+    out->joint_lr[j] += lr;
+    out->joint_k3[j] += k3;
+    out->joint_rho2[j] += rho2;
+    out->joint_lr2[first] += lr * lr;          /* read per cell only: on its first bin */
+    out->joint_exp_abs[first] += e_abs;
     if (lr < out->min_lr[cell]) out->min_lr[cell] = lr;
     if (lr > out->max_lr[cell]) out->max_lr[cell] = lr;
     out->seq_sum_lr[sq] += lr;
@@ -297,10 +299,10 @@ static void end_cell(const Out *out, const TokenParams *p, int64_t sc, Local *L)
         lh[NB] = 0;
         if (L->min_lr[tb] < out->min_lr[cell]) out->min_lr[cell] = L->min_lr[tb];
         if (L->max_lr[tb] > out->max_lr[cell]) out->max_lr[cell] = L->max_lr[tb];
-        out->cell_sums[2 * cell] += L->lr2[tb];
-        out->cell_sums[2 * cell + 1] += L->e_abs[tb];
+        const int64_t first = cell * NL * R;
+        out->joint_lr2[first] += L->lr2[tb];       /* read per cell only: on its first bin */
+        out->joint_exp_abs[first] += L->e_abs[tb];
         V4 *local = L->joint + tb * COPIES * nc;
-        V4 *dst = (V4 *)(out->joint + cell * NL * R * LW);
         for (int64_t j = 0; j < nc; j++) {
             V4 sum = local[j];
             local[j] = (V4){0.0, 0.0, 0.0, 0.0};
@@ -308,11 +310,11 @@ static void end_cell(const Out *out, const TokenParams *p, int64_t sc, Local *L)
                 sum += local[c * nc + j];
                 local[c * nc + j] = (V4){0.0, 0.0, 0.0, 0.0};
             }
-            V4 *d = dst + (j >> 1) * R + (j & 1);   /* lowprob bucket j / 2, slot lr > 0 */
-            V4 x;
-            memcpy(&x, d, sizeof x);
-            x += sum;
-            memcpy(d, &x, sizeof x);
+            const int64_t d = first + (j >> 1) * R + (j & 1);   /* lowprob bucket j / 2, slot lr > 0 */
+            out->joint_n[d] += (int64_t)sum[0];
+            out->joint_lr[d] += sum[1];
+            out->joint_k3[d] += sum[2];
+            out->joint_rho2[d] += sum[3];
         }
         reset_bucket(L, tb, NB);
         L->used[tb + p->n_turn] = 0;
@@ -458,17 +460,17 @@ static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n
 }
 
 /* Every token statistic of the tokens in `ranges` ([n_ranges] Range, see there), added into
- * the caller's arrays (see TokenAccumulators in token_pass.py; `joint` is [cells * NL * R, LW]
- * with rho^2 per bin, `cell_sums` [cells, 2] (sums of lr^2 and of exp|lr|); `abs_hist` is
- * [cells * NB] int32, for batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or
+ * the caller's arrays (TokenAccumulators in token_pass.py: `joint_sums` are its five rows of
+ * sums, lr, lr^2, k3, exp|lr| and rho^2, where lr^2 and exp|lr| go to each cell's first bin;
+ * `abs_hist` is [cells * NB] int32, for batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or
  * a log-prob above tol) count per cell and per sequence and touch nothing else. Returns the
  * number of valid tokens; -1 when the series has not the N_SERIES coefficients this file was
  * compiled for, -2 when memory runs out, -3 when a sequence id or turn index is out of range
  * (nothing is read through it; the caller's arrays then hold part of the pass). */
 int64_t mm_token_pass(const TokenParams *p, const Range *ranges, int64_t n_ranges, const void *t, int t_dtype,
                       const void *s, int s_dtype, const int64_t *seq, const int64_t *turn,
-                      const int64_t *seq_cell, const int64_t *turn_table, double *joint, double *cell_sums,
-                      int32_t *abs_hist, double *min_lr, double *max_lr, int64_t *n_nonfinite,
+                      const int64_t *seq_cell, const int64_t *turn_table, int64_t *joint_n,
+                      double *const *joint_sums, int32_t *abs_hist, double *min_lr, double *max_lr, int64_t *n_nonfinite,
                       int64_t *n_positive, int64_t *seq_invalid, double *seq_sum_lr, double *seq_sum_exp_abs,
                       double *seq_max_abs) {
     if (p->n_series != N_SERIES) return -1;
@@ -491,7 +493,8 @@ int64_t mm_token_pass(const TokenParams *p, const Range *ranges, int64_t n_range
         L.hi = ints + T;
         L.used = ints + 2 * T;        /* [T] the list, then [T] flags */
         for (int64_t tb = 0; tb < T; tb++) reset_bucket(&L, tb, NB);
-        Out out = {joint, cell_sums, min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
+        Out out = {joint_n, joint_sums[0], joint_sums[1], joint_sums[2], joint_sums[3], joint_sums[4],
+                   min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
                    abs_hist, n_nonfinite, n_positive, seq_invalid};
         valid = token_blocks(p, ranges, n_ranges, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out,
                              &L, blk);

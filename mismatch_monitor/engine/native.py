@@ -18,7 +18,7 @@ import functools
 import importlib.util
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 import torch
@@ -29,7 +29,9 @@ from .histogram import LogBins
 if TYPE_CHECKING:
     from .regions import JointCoder
 
-JW = 4                      # doubles per joint bin in the compiled pass: count, lr, k3, rho^2
+# the rows of joint sums the compiled pass adds into, in the order mm_token_pass takes them
+# (lr^2 and exp|lr| on each cell's first bin: the tables read them per cell only)
+SUM_ROWS = ("lr", "lr2", "k3", "exp_abs", "rho2")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _DTYPES = {torch.float32: 0, torch.float64: 1}
@@ -159,21 +161,21 @@ class TokenKernel:
         return cls(params, keep)
 
     def run(self, ranges: np.ndarray, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor,
-            turn: torch.Tensor | None, seq_cell: torch.Tensor, turn_table: torch.Tensor | None,
-            joint: torch.Tensor, cell_sums: torch.Tensor, acc) -> int:
+            turn: torch.Tensor | None, seq_cell: torch.Tensor, turn_table: torch.Tensor | None, acc,
+            joint_sums: Mapping[str, torch.Tensor]) -> int:
         """The tokens of ``ranges`` ([n, 3] int64 rows (start, stop, sequence), or sequence -1 for
         a range whose ids are read from ``seq``; see :func:`sequence_ranges`) of the whole-batch
-        tensors into ``joint`` ([J, JW] float64: count, lr, k3, rho^2 per bin), ``cell_sums``
-        ([cells, 2]: sums of lr^2 and exp|lr|) and the accumulators ``acc``, whose ``abs_hist``
-        is int32 here."""
+        tensors into the accumulators ``acc`` (``abs_hist`` int32 here); ``joint_sums`` are
+        its rows of joint sums by name."""
         t, s = _float(t), _float(s)
         seq, seq_cell = seq.contiguous(), seq_cell.contiguous()
         turn = None if turn is None else turn.contiguous()
         ranges = np.ascontiguousarray(ranges, dtype=np.int64)
+        rows = (_P * len(SUM_ROWS))(*[_ptr(joint_sums[name]) for name in SUM_ROWS])
         valid = library().mm_token_pass(
             ctypes.byref(self.params), _ptr(ranges), len(ranges), _ptr(t), _DTYPES[t.dtype], _ptr(s),
-            _DTYPES[s.dtype], _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(joint),
-            _ptr(cell_sums), _ptr(acc.abs_hist),
+            _DTYPES[s.dtype], _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(acc.joint_n), rows,
+            _ptr(acc.abs_hist),
             _ptr(acc.min_lr), _ptr(acc.max_lr), _ptr(acc.n_nonfinite), _ptr(acc.n_positive),
             _ptr(acc.seq_invalid), _ptr(acc.seq_sum_lr), _ptr(acc.seq_sum_exp_abs), _ptr(acc.seq_max_abs))
         if valid == -2:
@@ -202,7 +204,8 @@ def sequence_ranges(start: int, stop: int, seq_offsets: np.ndarray | None, seq_c
     hi = np.minimum(seq_offsets[first + 1:last + 1], stop)
     keep = hi > lo
     seqs, lo, hi = seqs[keep], lo[keep], hi[keep]
-    order = np.argsort(seq_cell[seqs], kind="stable")
+    # cells, then batch order: unique keys, so the (faster) unstable sort is stable here
+    order = np.argsort(seq_cell[seqs] * len(seqs) + np.arange(len(seqs)))
     return np.stack([lo[order], hi[order], seqs[order]], axis=1)
 
 

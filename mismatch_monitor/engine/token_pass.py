@@ -189,16 +189,14 @@ def _native_pass(batch: TokenBatch, cells: Cells, p: _Plan, chunk: int, workers:
     seq_cell = cells.seq_cell.numpy()
     n = max(1, min(workers, -(-N // chunk)))
 
-    def fresh() -> tuple[TokenAccumulators, torch.Tensor, torch.Tensor]:
+    def fresh() -> TokenAccumulators:
         # histogram counts are 32-bit here (half the cache lines; no count can reach 2^31 in
         # a batch of fewer tokens, see _plan); the non-zero ones are widened in the tables
-        return (TokenAccumulators.zeros(p.C, p.B, p.J, p.bins.num_bins, batch.device, torch.int32),
-                torch.zeros(p.J, native.JW, dtype=torch.float64), torch.zeros(p.C + 1, 2, dtype=torch.float64))
+        return TokenAccumulators.zeros(p.C, p.B, p.J, p.bins.num_bins, batch.device, torch.int32)
 
-    def run(into: tuple[TokenAccumulators, torch.Tensor, torch.Tensor], ranges: np.ndarray) -> None:
-        acc, joint, cell_sums = into
+    def run(acc: TokenAccumulators, ranges: np.ndarray) -> None:
         p.kernel.run(ranges, batch.trainer_logprobs, batch.sampler_logprobs, batch.seq_index, batch.turn_index,
-                     cells.seq_cell, p.turn_table, joint, cell_sums, acc)
+                     cells.seq_cell, p.turn_table, acc, dict(zip(JOINT_SUMS, acc.joint_sums)))
 
     ranges = native.sequence_ranges(0, N, offsets, seq_cell)
     parts = [ranges] if n == 1 else native.split_by_cell(ranges, seq_cell, n)
@@ -216,10 +214,8 @@ def _native_pass(batch: TokenBatch, cells: Cells, p: _Plan, chunk: int, workers:
         with ThreadPoolExecutor(max_workers=n) as pool:
             list(pool.map(lambda i: run(states[i], native.sequence_ranges(bounds[i], bounds[i + 1], offsets,
                                                                           seq_cell)), range(n)))
-    for acc, joint, cell_sums in states:
-        _fold_joint(acc, joint, cell_sums, p)
-    total = states[0][0]
-    for other, _, _ in states[1:]:
+    total = states[0]
+    for other in states[1:]:
         total.merge_(other)
     if batch.in_trainer_support is not None or batch.sampler_kept_logmass is not None:
         for start in range(0, N, chunk):
@@ -251,20 +247,6 @@ def _add_support(acc: TokenAccumulators, batch: TokenBatch, p: _Plan, start: int
         kc = torch.where(has, valid_cell, p.C)
         acc.n_kept += torch.bincount(kc, minlength=p.C + 1)
         acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
-
-
-def _fold_joint(acc: TokenAccumulators, joint: torch.Tensor, cell_sums: torch.Tensor, p: _Plan) -> None:
-    """The compiled pass's joint bins ([J, JW]: count, lr, k3, rho^2) and per-cell sums
-    ([C + 1, 2]: lr^2, exp|lr|) into the accumulators. The tables read lr^2 and exp|lr| only
-    per cell (tables.py), so the per-cell sums go to each cell's first bin."""
-    sums = dict(zip(JOINT_SUMS, acc.joint_sums))
-    acc.joint_n += joint[:, 0].to(torch.int64)
-    sums["lr"] += joint[:, 1]
-    sums["k3"] += joint[:, 2]
-    sums["rho2"] += joint[:, 3]
-    first = torch.arange(p.C + 1) * (p.NL * p.R)
-    sums["lr2"][first] += cell_sums[:, 0]
-    sums["exp_abs"][first] += cell_sums[:, 1]
 
 
 def _add_per_sequence(acc: TokenAccumulators, seq: torch.Tensor, lr: torch.Tensor, exp_abs: torch.Tensor) -> None:
