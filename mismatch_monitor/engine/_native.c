@@ -67,9 +67,20 @@ typedef struct {
     int64_t rare[BLOCK];
 } Block;
 
-static inline __attribute__((always_inline)) void load_values(const void *src, int dtype, int64_t start, int64_t m, double *dst) {
-    if (dtype) {
+/* Log-probs as doubles; `dtype` 0: float32, 1: float64, 2: bfloat16 (the top half of a
+ * float32, so exactly a float32 with a zero low half). */
+static inline __attribute__((always_inline)) void load_values(const void *src, int dtype, int64_t start, int64_t m,
+                                                              double *dst) {
+    if (dtype == 1) {
         memcpy(dst, (const double *)src + start, (size_t)m * sizeof(double));
+    } else if (dtype == 2) {
+        const uint16_t *h = (const uint16_t *)src + start;
+        for (int64_t i = 0; i < m; i++) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            dst[i] = f;
+        }
     } else {
         const float *f = (const float *)src + start;
         for (int64_t i = 0; i < m; i++) dst[i] = f[i];

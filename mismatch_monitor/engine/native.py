@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 SUM_ROWS = ("lr", "lr2", "k3", "exp_abs", "rho2")
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_DTYPES = {torch.float32: 0, torch.float64: 1}
+_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}   # read as they are
 # |lr| below this: k3 = rho - 1 - lr and exp|lr| from their Taylor series to x^10 / 10!
 # (the first term left out is below 1e-18 relative); above it expm1 and exp
 POLY_MAX = 1.0 / 16
@@ -235,7 +235,8 @@ def split_by_cell(ranges: np.ndarray, seq_cell: np.ndarray, n: int, slack: float
 
 
 def _float(t: torch.Tensor) -> torch.Tensor:
-    """float32 / float64 as they are; bf16 / fp16 widen to float32 exactly."""
+    """float32, float64 and bfloat16 as they are (the loop reads them); float16 widens to
+    float32 exactly."""
     t = t.contiguous()
     return t if t.dtype in _DTYPES else t.to(torch.float32)
 
