@@ -256,3 +256,34 @@ def test_grouped_and_batch_order_passes_agree(workers):
     in_order = compute_stats(case.batch("seq_ids"), config, workers=workers)
     for name in ("tokens", "abs_hist", "lowprob", "routing_layers", "sequences", "seq_hist", "staleness"):
         assert_tables_match(grouped[name], in_order[name], name, rtol=1e-12, atol=1e-13)
+
+
+def test_split_by_cell_cuts_at_cell_boundaries_or_declines():
+    offsets = np.arange(0, 101, 10)                               # ten sequences of ten tokens
+    cells = np.array([0, 0, 1, 1, 1, 2, 2, 3, 3, 3])
+    ranges = native.sequence_ranges(0, 100, offsets, cells)
+    parts = native.split_by_cell(ranges, cells, 2)
+    assert [int((p[:, 1] - p[:, 0]).sum()) for p in parts] == [50, 50]
+    assert not set(cells[parts[0][:, 2]]) & set(cells[parts[1][:, 2]])   # no cell in both
+    assert native.split_by_cell(ranges, cells, 3) is None          # 20/50/30 is not within 5%
+    assert native.split_by_cell(ranges, np.zeros(10, dtype=np.int64), 2) is None   # one cell
+    in_order = native.sequence_ranges(0, 100, None, cells)
+    assert native.split_by_cell(in_order, cells, 2) is None        # ids read per token
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_share_tokens_when_cells_do_not_split(workers):
+    # one pool, one length bucket: a single sequence cell, so the workers take token shares
+    # (a sequence may be cut between two of them) into their own accumulators, merged
+    case = make_case(4, num_sequences=30, max_len=4000, dtype=torch.float32, tail_fraction=5e-3,
+                     bad_fraction=0.01, extra_dim=False)
+    case = replace(case, labels={"pool": ["a"] * case.num_sequences})
+    batch = case.batch("offsets")
+    config = replace(NATIVE, chunk_tokens=1024, length_edges=(1 << 20,))
+    seq_cell = np.zeros(batch.num_sequences, dtype=np.int64)
+    assert native.split_by_cell(native.sequence_ranges(0, batch.num_tokens, batch.seq_offsets.numpy(), seq_cell),
+                                seq_cell, workers) is None
+    got = compute_stats(batch, config, workers=workers)
+    want = compute_stats(batch, replace(config, kernel="torch"))
+    for name in ("tokens", "abs_hist", "lowprob", "routing_layers", "sequences", "seq_hist", "staleness"):
+        assert_tables_match(got[name], want[name], name, rtol=1e-12, atol=1e-13)
