@@ -14,7 +14,9 @@ statistic; a chunk without invalid tokens (checked with three reductions) skips 
 Weights are float64 (``bincount`` with float32 weights accumulates in float32).
 
 On CPU tensors the compiled loop of ``native.py`` does the same pass in one read of the inputs
-(``MetricConfig.kernel``); the torch ops below are the implementation for every other device.
+(``MetricConfig.kernel``), without chunks, the sequences of one cell one after the other, and
+with ``workers`` the cells split between threads (``_native_pass``); the torch ops below are
+the implementation for every other device.
 """
 
 from __future__ import annotations
