@@ -73,13 +73,13 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
         hist_rows = (pool.submit if pool else _now)(
             sparse_columns, "abs_hist", dims, keys, NB, "bin", {"count": hist}, hist)
         routing, per_layer = _routing(batch, cells, config)
+        flips = None if per_layer is None else per_layer.ravel()
         arrays = {"tokens": token_table(acc, joint, keys, config, dims, routing)}
         tables = {
             "tokens": pd.DataFrame(arrays["tokens"], copy=False),
             "lowprob": lowprob_table(joint, keys, dims),
             "routing_layers": empty_table("routing_layers", dims) if per_layer is None else
-            sparse("routing_layers", dims, keys, per_layer.shape[1], "layer", {"n_flips": per_layer.ravel()},
-                   per_layer.ravel()),
+            sparse("routing_layers", dims, keys, per_layer.shape[1], "layer", {"n_flips": flips}, flips),
         }
         arrays["sequences"], seq_hist, staleness = sequence_tables(acc, batch, cells, config, dims)
         tables.update(sequences=pd.DataFrame(arrays["sequences"], copy=False), seq_hist=seq_hist,

@@ -18,7 +18,7 @@ import functools
 import importlib.util
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -161,17 +161,17 @@ class TokenKernel:
         return cls(params, keep)
 
     def run(self, ranges: np.ndarray, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor,
-            turn: torch.Tensor | None, seq_cell: torch.Tensor, turn_table: torch.Tensor | None, acc,
-            joint_sums: Mapping[str, torch.Tensor]) -> int:
+            turn: torch.Tensor | None, seq_cell: torch.Tensor, turn_table: torch.Tensor | None, acc) -> int:
         """The tokens of ``ranges`` ([n, 3] int64 rows (start, stop, sequence), or sequence -1 for
         a range whose ids are read from ``seq``; see :func:`sequence_ranges`) of the whole-batch
-        tensors into the accumulators ``acc`` (``abs_hist`` int32 here); ``joint_sums`` are
-        its rows of joint sums by name."""
+        tensors into the accumulators ``acc`` (token_pass.TokenAccumulators, ``abs_hist``
+        int32 here)."""
         t, s = _float(t), _float(s)
         seq, seq_cell = seq.contiguous(), seq_cell.contiguous()
         turn = None if turn is None else turn.contiguous()
         ranges = np.ascontiguousarray(ranges, dtype=np.int64)
-        rows = (_P * len(SUM_ROWS))(*[_ptr(joint_sums[name]) for name in SUM_ROWS])
+        sums = acc.sum_rows()
+        rows = (_P * len(SUM_ROWS))(*[_ptr(sums[name]) for name in SUM_ROWS])
         valid = library().mm_token_pass(
             ctypes.byref(self.params), _ptr(ranges), len(ranges), _ptr(t), _DTYPES[t.dtype], _ptr(s),
             _DTYPES[s.dtype], _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(acc.joint_n), rows,
@@ -291,7 +291,7 @@ def routing_flips(trainer: torch.Tensor, sampler: torch.Tensor, cell: torch.Tens
 def nonzero_rows(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The non-zero entries of a flat [rows * width] int32 or int64 array as (row, column,
     value) int64 arrays, in order: ``divmod(np.flatnonzero(values), width)`` and the values
-    there, in two branch-free passes when the extension is built."""
+    there; when the extension is built, a count and then one compiled pass over the values."""
     values = np.ascontiguousarray(values)
     kind = {np.dtype(np.int64): 8, np.dtype(np.int32): 4}.get(values.dtype)
     if kind is None or values.ndim != 1 or values.size < (1 << 16) or library() is None:

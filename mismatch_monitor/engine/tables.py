@@ -63,7 +63,8 @@ def take_rows(values: object, rows: np.ndarray) -> object:
 def sparse_columns(table: str, dims: list[str], keys: Columns, width: int, key: str,
                    values: Mapping[str, np.ndarray], nonzero: np.ndarray) -> dict[str, object]:
     """Rows (cell, index) where the integer array ``nonzero`` [C * width] is non-zero; values
-    are [C * width] (``nonzero`` itself among them is read off with the rows)."""
+    are [C * width]. A value that is ``nonzero`` itself (the table's count) comes with the rows;
+    the others are gathered at them."""
     cell, at, counts = native.nonzero_rows(nonzero, width)
     columns: dict[str, object] = {c: take_rows(v, cell) for c, v in keys.items()}
     columns[key] = at
@@ -157,9 +158,10 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
 def lowprob_table(joint: JointBins, keys: Columns, dims: list[str]) -> pd.DataFrame:
     n = joint.n.sum(2)                                        # [C, NL]
     NL = n.shape[1]
+    counts = n.ravel()
     return sparse("lowprob", dims, keys, NL, "bucket",
-                  {"n_tokens": n.ravel(), "sum_abs_lr": joint.abs_lr().ravel(),
-                   "sum_k3": joint.sums["k3"].sum(2).ravel()}, n.ravel())
+                  {"n_tokens": counts, "sum_abs_lr": joint.abs_lr().ravel(),
+                   "sum_k3": joint.sums["k3"].sum(2).ravel()}, counts)
 
 
 @functools.lru_cache(maxsize=1)
@@ -222,7 +224,8 @@ def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, con
         data["max_staleness"] = extreme(staleness.astype(np.float64), np.maximum, -np.inf)
         W = config.staleness_max + 1
         st_counts = np.bincount(cell * W + np.minimum(staleness, config.staleness_max), minlength=(S + 1) * W)
-        stale_rows = sparse("staleness", dims, keys, W, "staleness", {"count": st_counts}, st_counts[: S * W])
+        st_counts = st_counts[: S * W]                     # the dump cell S dropped
+        stale_rows = sparse("staleness", dims, keys, W, "staleness", {"count": st_counts}, st_counts)
     else:
         data["n_stale_known"] = data["sum_staleness"] = zeros
         data["max_staleness"] = np.full(S, np.nan)

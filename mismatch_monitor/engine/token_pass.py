@@ -75,6 +75,10 @@ class TokenAccumulators:
             seq_max_abs=z(B + 1, f64),
         )
 
+    def sum_rows(self) -> dict[str, torch.Tensor]:
+        """The rows of ``joint_sums`` by name (``JOINT_SUMS``)."""
+        return dict(zip(JOINT_SUMS, self.joint_sums))
+
     def merge_(self, other: "TokenAccumulators") -> None:
         for name, value in vars(self).items():
             o = getattr(other, name)
@@ -196,28 +200,29 @@ def _native_pass(batch: TokenBatch, cells: Cells, p: _Plan, chunk: int, workers:
         # a batch of fewer tokens, see _plan); the non-zero ones are widened in the tables
         return TokenAccumulators.zeros(p.C, p.B, p.J, p.bins.num_bins, batch.device, torch.int32)
 
-    def run(acc: TokenAccumulators, ranges: np.ndarray) -> None:
-        p.kernel.run(ranges, batch.trainer_logprobs, batch.sampler_logprobs, batch.seq_index, batch.turn_index,
-                     cells.seq_cell, p.turn_table, acc, dict(zip(JOINT_SUMS, acc.joint_sums)))
-
     ranges = native.sequence_ranges(0, N, offsets, seq_cell)
-    parts = [ranges] if n == 1 else native.split_by_cell(ranges, seq_cell, n)
-    if parts is not None:
-        shared = fresh()
-        if len(parts) == 1:
-            run(shared, parts[0])
-        else:
-            with ThreadPoolExecutor(max_workers=len(parts)) as pool:
-                list(pool.map(lambda part: run(shared, part), parts))
-        states = [shared]
-    else:
+    parts = native.split_by_cell(ranges, seq_cell, n)
+    if parts is not None:                       # one set of accumulators, cells apart
+        accs = [fresh()]
+        jobs = [(accs[0], part) for part in parts]
+    else:                                       # token shares, each into its own, merged
         bounds = [N * i // n for i in range(n + 1)]
-        states = [fresh() for _ in range(n)]
-        with ThreadPoolExecutor(max_workers=n) as pool:
-            list(pool.map(lambda i: run(states[i], native.sequence_ranges(bounds[i], bounds[i + 1], offsets,
-                                                                          seq_cell)), range(n)))
-    total = states[0]
-    for other in states[1:]:
+        accs = [fresh() for _ in range(n)]
+        jobs = [(acc, native.sequence_ranges(bounds[i], bounds[i + 1], offsets, seq_cell))
+                for i, acc in enumerate(accs)]
+
+    def run(job: tuple[TokenAccumulators, np.ndarray]) -> None:
+        acc, part = job
+        p.kernel.run(part, batch.trainer_logprobs, batch.sampler_logprobs, batch.seq_index, batch.turn_index,
+                     cells.seq_cell, p.turn_table, acc)
+
+    if len(jobs) == 1:
+        run(jobs[0])
+    else:
+        with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            list(pool.map(run, jobs))
+    total = accs[0]
+    for other in accs[1:]:
         total.merge_(other)
     if batch.in_trainer_support is not None or batch.sampler_kept_logmass is not None:
         for start in range(0, N, chunk):
@@ -269,10 +274,9 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
     plan = _plan(batch, cells, config)
     N = batch.num_tokens
     chunk = config.chunk_tokens
-    starts = list(range(0, N, chunk))
-
     if plan.kernel is not None:
         return _native_pass(batch, cells, plan, chunk, workers)
+    starts = list(range(0, N, chunk))
 
     def run(my_starts: list[int]) -> TokenAccumulators:
         acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
