@@ -1,9 +1,12 @@
 """Shared test settings: single-threaded torch (small ops are faster on one thread, and the
-machine is shared) and a bounded hypothesis profile."""
+machine is shared), a bounded hypothesis profile, and skips that fail where CI asks for it
+(``skips_fail``)."""
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from skips_fail import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401 (hooks)
 
 torch.set_num_threads(1)
 

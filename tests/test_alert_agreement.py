@@ -22,6 +22,8 @@ from mismatch_monitor.alerts.promtool import render_unit_tests, run_tool
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.engine import compute_stats
 
+from external_tools import needs
+
 STEPS = 42
 SEQS, TOKENS, LAYERS = 8, 32, 4
 
@@ -108,6 +110,7 @@ FLEET_RULES = (
 )
 
 
+@needs("promtool")
 def test_prometheus_fires_what_the_evaluator_fires(tmp_path):
     history, fleet = engine_history()
     rules = DEFAULT_RULES + FLEET_RULES

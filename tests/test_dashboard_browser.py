@@ -2,7 +2,8 @@
 127.0.0.1, Debian's Chromium driven by Playwright (``executable_path``; browsers are never
 downloaded). Every page is visited through the sidebar; a page passes when its charts are drawn,
 no Streamlit exception is shown and the browser logged no console error. Screenshots go to
-``artifacts/dashboard/`` (git-ignored). The server is stopped by its PID.
+``artifacts/dashboard/`` (git-ignored). The server is stopped by its PID. Chromium is found on PATH
+or at ``MISMATCH_MONITOR_CHROMIUM``; where it is absent the tests skip (CI fails on that).
 
 Runtime: about 45 s (server start ~5 s, first paint ~8 s, each further page ~1.5 s, the live
 refresh ~10 s).
@@ -27,9 +28,10 @@ from playwright.sync_api import ConsoleMessage, Page, sync_playwright
 
 from mismatch_monitor.app.navigation import PAGES
 from test_app_pages import EXPECTED
+from external_tools import find, needs
 from test_app_runs import DashboardRoot, dashboard_root, fleet_case
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = find("chromium")
 LAUNCH_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run"]
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "dashboard"
@@ -43,7 +45,7 @@ READY = """(title) => {
     && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(e => e.querySelector('.main-svg'));
 }"""
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), needs("chromium")]
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ Runtime: about 4 s.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import threading
@@ -21,9 +20,10 @@ from typing import Any
 from mismatch_monitor.alerts import DEFAULT_RULES
 from mismatch_monitor.alerts.render import ALERTMANAGER_EXAMPLE
 
+from external_tools import find, needs
 from servers import stop_process
 
-ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+ALERTMANAGER = find("alertmanager")
 RULES = {r.name: r for r in DEFAULT_RULES}
 
 
@@ -51,8 +51,9 @@ def alert(name: str, pool: str) -> dict[str, Any]:
             "startsAt": datetime.now(timezone.utc).isoformat()}
 
 
+@needs("alertmanager")
 def test_resyncs_reach_the_webhook_and_inhibit_the_pools_warnings(tmp_path):
-    assert ALERTMANAGER is not None, "alertmanager not installed; .ci/run installs prometheus-alertmanager"
+    assert ALERTMANAGER is not None
     hook = ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
     hook.received = []  # type: ignore[attr-defined]
     threading.Thread(target=hook.serve_forever, daemon=True).start()

@@ -10,7 +10,6 @@ bound to 127.0.0.1 and stopped by PID. Runtime: about 15 s.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import time
@@ -28,9 +27,10 @@ from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.exporter import MismatchExporter
 
+from external_tools import find, needs
 from servers import stop_process
 
-PROMETHEUS = shutil.which("prometheus")
+PROMETHEUS = find("prometheus")
 
 
 def free_port() -> int:
@@ -48,7 +48,6 @@ def get(url: str, **params: str) -> Any:
 
 @contextmanager
 def prometheus(workdir: Path, target_port: int, rules: str) -> Iterator[str]:
-    assert PROMETHEUS is not None, "prometheus not installed; .ci/run installs Debian's prometheus"
     (workdir / "rules.yml").write_text(rules)
     (workdir / "prometheus.yml").write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
@@ -91,6 +90,7 @@ def batch(step: int, fp8_noise: float) -> TokenBatch:
         "pool": ["bf16"] * 4 + ["fp8"] * 4, "hardware": ["H100"] * 4 + ["MI300"] * 4})
 
 
+@needs("prometheus")
 def test_prometheus_fires_the_resync_alert_while_a_run_is_logged(tmp_path):
     exporter = MismatchExporter()
     port = exporter.start()
