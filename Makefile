@@ -23,7 +23,8 @@ demo: install
 	$(VENV)/bin/mismatch-monitor demo --dashboard $(DEMO_ARGS)
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_ARGS) || { status=$$?; echo "make test: pytest exited with status $$status" \
+		"(1 tests failed, 2 interrupted, 3 internal error, 4 usage error, 5 no tests collected)" >&2; exit $$status; }
 
 sample-data: install
 	$(VENV)/bin/mismatch-monitor sample-data
