@@ -21,12 +21,15 @@ import numpy as np
 import pandas as pd
 
 from mismatch_monitor.metrics import GroupMetrics
+from mismatch_monitor.report_keys import NULL_TEXT, label_text
 from .conditions import Scope, Snapshot
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
 from .rules import AlertRule, Fix, Severity, check_rules
 
-UNKNOWN_POOL = "unknown"   # the pool label of rows logged without one (as the collector reports it)
+# pools are named by their label text (report_keys.py), as the exporter labels their series, so
+# an event's pool is the pool label Prometheus shows; rows logged without a pool are "%null"
+UNKNOWN_POOL = NULL_TEXT
 State = Literal["firing", "resolved"]
 
 
@@ -198,12 +201,12 @@ def _snapshot(frame: pd.DataFrame | GroupMetrics | None, keys: list[str], *, poo
     if frame is None or len(frame) == 0:
         return Snapshot((), {k: np.empty(0) for k in keys})
     if isinstance(frame, GroupMetrics):
-        pools = (tuple(UNKNOWN_POOL if p is None else p for p in frame.labels) if pooled
+        pools = (tuple(label_text(p) for p in frame.labels) if pooled
                  else ("",) * len(frame))
         nan = np.full(len(frame), np.nan)
         return Snapshot(pools, {k: frame.values.get(k, nan) for k in keys})
     if pooled:
-        pools = tuple(UNKNOWN_POOL if pd.isna(p) else str(p) for p in frame["pool"])
+        pools = tuple(label_text(None if pd.isna(p) else str(p)) for p in frame["pool"])
     else:
         pools = ("",) * len(frame)
     n = len(frame)

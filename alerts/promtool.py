@@ -19,10 +19,11 @@ import numpy as np
 import pandas as pd
 
 from mismatch_monitor.metrics import prometheus_name
+from mismatch_monitor.report_keys import label_text
 
 from .promql import duration
 from .definitions import DEFAULT_RULES
-from .evaluator import UNKNOWN_POOL, AlertEvaluator, iter_steps
+from .evaluator import AlertEvaluator, iter_steps
 from .rules import AlertRule
 from .yaml_text import dump
 
@@ -58,7 +59,7 @@ def input_series(history: pd.DataFrame, rules: Sequence[AlertRule], steps: list[
         if not keys or frame is None or len(frame) == 0:
             continue
         if scope == "pool":
-            labels = frame["pool"].map(lambda p: UNKNOWN_POOL if pd.isna(p) else str(p))
+            labels = frame["pool"].map(lambda p: label_text(None if pd.isna(p) else str(p)))
         else:
             labels = pd.Series([None] * len(frame), index=frame.index, dtype=object)
         for key in keys:

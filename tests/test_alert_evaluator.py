@@ -198,7 +198,7 @@ def test_missing_pool_and_nan_resolve_and_never_fire():
     assert [e.state for e in ev.observe(0, 0.0, pd.DataFrame({"pool": ["a"], KEY: [2.0]}))] == ["firing"]
     assert [e.state for e in ev.observe(1, 0.0, pd.DataFrame({"pool": ["b"], KEY: [0.5]}))] == ["resolved"]
     assert ev.observe(2, 0.0, pd.DataFrame({"pool": ["a"], KEY: [math.nan]})) == []
-    assert ev.observe(3, 0.0, pd.DataFrame({"pool": [None], KEY: [3.0]}))[0].pool == "unknown"
+    assert ev.observe(3, 0.0, pd.DataFrame({"pool": [None], KEY: [3.0]}))[0].pool == "%null"   # its label text
     assert ev.observe(4, 0.0, pd.DataFrame({"pool": pd.Series([], dtype="string"), KEY: []}))[0].state == "resolved"
 
 
