@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -87,3 +95,65 @@ def test_empty_run_summary(tmp_path):
 def test_schema_doc_is_current():
     doc = Path(__file__).parents[1] / "docs" / "SCHEMA.md"
     assert doc.read_text() == render(), "run: python -m mismatch_monitor.store.schema_doc > docs/SCHEMA.md"
+
+
+def _listening_socket() -> socket.socket:
+    """A real server socket on 127.0.0.1 (listening, as another dashboard's would be)."""
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    return held
+
+
+def _cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mismatch_monitor.cli", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_demo_refuses_a_dashboard_port_in_use(tmp_path):
+    with _listening_socket() as held:
+        port = held.getsockname()[1]
+        result = _cli("demo", "--steps", "2", "--variant", "dense", "--warmstart-steps", "2", "--quiet",
+                      "--no-alerts", "--runs-root", str(tmp_path), "--dashboard", "--dashboard-port", str(port))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in result.stderr
+    assert "dashboard on http" not in result.stdout          # never claims a dashboard it has not got
+    assert not any(tmp_path.iterdir())                        # refused before the run started
+
+
+def test_dashboard_refuses_a_port_in_use(tmp_path):
+    with _listening_socket() as held:
+        port = held.getsockname()[1]
+        result = _cli("dashboard", str(tmp_path), "--port", str(port), timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"port {port} on 127.0.0.1 is in use" in result.stderr
+
+
+def test_dashboard_port_zero_serves_on_the_free_port_it_prints(tmp_path):
+    from mismatch_monitor.cli.dashboard import claim_port
+
+    with _listening_socket() as held:
+        with pytest.raises(ValueError, match="is in use"):
+            claim_port("127.0.0.1", held.getsockname()[1])
+    proc = subprocess.Popen([sys.executable, "-m", "mismatch_monitor.cli", "dashboard", str(tmp_path), "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stderr.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", line).group(1))
+        assert port != 0
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
+                    assert r.read() == b"ok"
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the dashboard did not come up"
+                time.sleep(0.3)
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)             # the CLI stops its streamlit child
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)       # the process group this test started
+            proc.wait()

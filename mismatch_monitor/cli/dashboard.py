@@ -2,7 +2,8 @@
 
 Starts ``streamlit run`` on the dashboard's entry script, bound to 127.0.0.1 unless told
 otherwise, headless, with usage statistics off, and hands it the runs root (only runs under it
-can be opened). The server runs as a child process; SIGINT/SIGTERM stop it.
+can be opened). The server runs as a child process; SIGINT/SIGTERM stop it. A port something else
+listens on is refused before the server starts (``--port 0`` takes a free one and prints it).
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from types import FrameType
 
@@ -22,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs_root", nargs="?", default=None,
                         help="directory holding run directories (default: ./runs if it exists, "
                              "else the bundled sample_data/)")
-    parser.add_argument("--port", type=int, default=8501, help="port to serve on (default 8501)")
+    parser.add_argument("--port", type=int, default=8501,
+                        help="port to serve on (default 8501; 0: any free port, printed)")
     parser.add_argument("--address", default="127.0.0.1",
                         help="address to bind (default 127.0.0.1: this machine only)")
 
@@ -39,6 +44,46 @@ def streamlit_command(runs_root: Path, *, port: int, address: str,
             "--client.toolbarMode", "minimal", "--", "--runs-root", str(runs_root)]
 
 
+class DashboardError(RuntimeError):
+    """The dashboard server did not come up (its port was taken, or it exited)."""
+
+
+def claim_port(address: str, port: int) -> int:
+    """``port`` if nothing listens on it at ``address``, or a free port the system picks for
+    ``port == 0``; ValueError naming the port otherwise. Streamlit binds with SO_REUSEADDR, so a
+    port whose last server just closed counts as free, as it will for Streamlit."""
+    if not 0 <= port < 65536:
+        raise ValueError(f"expected a port in 0..65535 (0: any free port), got {port}")
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as exc:
+            raise ValueError(f"port {port} on {address} is in use ({exc.strerror}): another dashboard "
+                             "or server listens there; pick another port, or 0 for any free one") from exc
+        return int(probe.getsockname()[1])
+
+
+def wait_until_serving(child: subprocess.Popen[bytes], url: str, timeout: float = 90.0) -> None:
+    """Return once the server at ``url`` answers its health check; DashboardError if the child
+    exits first (e.g. it lost a race for the port) or nothing answers within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as response:
+                if response.read() == b"ok":
+                    return
+        except OSError:
+            pass
+        if child.poll() is not None:
+            raise DashboardError(f"the dashboard server exited with status {child.returncode} "
+                                 f"before serving {url}")
+        if time.monotonic() > deadline:
+            raise DashboardError(f"the dashboard server did not answer at {url} within {timeout:.0f} s")
+        time.sleep(0.3)
+
+
 def resolve_root(runs_root: str | None) -> Path:
     from ..app.runs import default_runs_root
 
@@ -51,14 +96,13 @@ def resolve_root(runs_root: str | None) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     root = resolve_root(args.runs_root)
-    if not 0 < args.port < 65536:
-        raise ValueError(f"expected a port in 1..65535, got {args.port}")
+    port = claim_port(args.address, args.port)
     if args.address not in LOOPBACK:
         print(f"mismatch-monitor dashboard: serving on {args.address}: anyone who can reach it can read "
               "the runs under the root", file=sys.stderr)
-    cmd = streamlit_command(root, port=args.port, address=args.address)
+    cmd = streamlit_command(root, port=port, address=args.address)
     env = dict(os.environ, STREAMLIT_BROWSER_GATHER_USAGE_STATS="false")
-    print(f"mismatch-monitor dashboard: runs root {root}, http://{args.address}:{args.port}", file=sys.stderr)
+    print(f"mismatch-monitor dashboard: runs root {root}, http://{args.address}:{port}", file=sys.stderr)
     child = subprocess.Popen(cmd, env=env)
 
     def stop(signum: int, frame: FrameType | None) -> None:

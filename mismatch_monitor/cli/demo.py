@@ -61,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also serve Prometheus /metrics on 127.0.0.1:PORT while running")
     parser.add_argument("--dashboard", action="store_true",
                         help="start the dashboard on the runs root, following the run; Ctrl-C stops it")
-    parser.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port (default 8501)")
+    parser.add_argument("--dashboard-port", type=int, default=8501,
+                        help="dashboard port (default 8501; 0: any free port, printed); a port in use "
+                             "is an error before the run starts")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -160,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
         finished = True
         if dashboard is not None:
             print("demo: the dashboard keeps serving the run; Ctrl-C stops it", flush=True)
-            dashboard.wait()
+            if dashboard.wait() != 0:        # it stopped by itself, not by our Ctrl-C
+                print(f"demo: the dashboard server exited with status {dashboard.returncode}", file=sys.stderr)
+                return 1
     except KeyboardInterrupt:
         print("demo: stopped" if finished else "demo: interrupted", file=sys.stderr)
     finally:
@@ -211,14 +215,24 @@ def _stop_on_signals() -> dict[int, Any]:
     return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
-def _start_dashboard(root: Path, port: int) -> subprocess.Popen[bytes] | None:
-    try:
-        from .dashboard import streamlit_command
-    except ImportError as exc:
-        print(f"demo: dashboard unavailable ({exc})", file=sys.stderr)
-        return None
-    print(f"demo: dashboard on http://127.0.0.1:{port}")
+def _start_dashboard(root: Path, port: int) -> subprocess.Popen[bytes]:
+    """The dashboard's server, answering on 127.0.0.1 before the run starts. A taken port, or a
+    server that exits first, is a ValueError saying so (the CLI's error, status 2), never a URL
+    that shows nothing."""
+    from .dashboard import DashboardError, claim_port, streamlit_command, wait_until_serving
+
+    port = claim_port("127.0.0.1", port)
     child = subprocess.Popen(streamlit_command(root.resolve(), port=port, address="127.0.0.1"),
                              stdout=subprocess.DEVNULL)   # its banner; errors still show
     print(f"demo: dashboard server pid {child.pid}", flush=True)
+    try:
+        wait_until_serving(child, f"http://127.0.0.1:{port}")
+    except BaseException as exc:        # Ctrl-C while waiting too: never leave the server behind
+        if child.poll() is None:
+            child.terminate()
+            child.wait(timeout=10)
+        if isinstance(exc, DashboardError):
+            raise ValueError(str(exc)) from exc
+        raise
+    print(f"demo: dashboard on http://127.0.0.1:{port}", flush=True)
     return child
