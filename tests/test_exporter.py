@@ -106,7 +106,7 @@ def test_counters_and_histogram_accumulate_exactly():
     names = {s.name for f in families.values() for s in f.samples}
     for c in COUNTERS:
         assert c.name + "_total" in names
-    assert {k for f in families.values() for s in f.samples for k in s.labels} <= {"pool", "hardware", "le"}
+    assert {k for f in families.values() for s in f.samples for k in s.labels} <= {"pool", "hardware", "le", "label"}
 
 
 def test_histogram_and_counters_sum_across_ranks():
@@ -134,7 +134,7 @@ def test_histogram_and_counters_sum_across_ranks():
         assert summed[k] == pytest.approx(v, rel=1e-12), k
 
 
-def test_empty_slices_have_no_sample_and_unlabelled_rows_are_unknown():
+def test_empty_slices_have_no_sample_and_unlabelled_rows_are_null():
     batch, lr, *_ = make_batch(5, nan_pool="int4")
     exporter = MismatchExporter()
     exporter.observe(0, compute_stats(batch))
@@ -147,8 +147,8 @@ def test_empty_slices_have_no_sample_and_unlabelled_rows_are_unknown():
     b = TokenBatch.from_padded(torch.from_numpy(-np.ones((2, 5))), torch.from_numpy(-np.ones((2, 5)) - 0.1),
                                torch.ones(2, 5))
     plain.observe(0, compute_stats(b))
-    assert value(plain.registry, "mismatch_k3_kl_nats", pool="unknown") == pytest.approx(math.expm1(0.1) - 0.1)
-    assert value(plain.registry, "mismatch_tokens_total", pool="unknown", hardware="unknown") == 10
+    assert value(plain.registry, "mismatch_k3_kl_nats", pool="%null") == pytest.approx(math.expm1(0.1) - 0.1)
+    assert value(plain.registry, "mismatch_tokens_total", pool="%null", hardware="%null") == 10
     plain.count_resync("fp8")
     plain.count_resync("fp8")
     assert value(plain.registry, "mismatch_resyncs_total", pool="fp8") == 2

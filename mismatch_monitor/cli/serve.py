@@ -50,14 +50,17 @@ def load_run(exporter: Any, con: Any, run_dir: str | Path) -> int | None:
     return last
 
 
-def _resyncs(con: Any, run_dir: str | Path) -> dict[str, float]:
+def _resyncs(con: Any, run_dir: str | Path) -> dict[str | None, float]:
+    """Resync requests per pool as the alert events name it (its label text); None: fleet-wide."""
+    import pandas as pd
+
     from .. import query
 
     alerts = query.rows(con, run_dir, "alerts")
     if alerts.empty or not {"resync", "state", "pool"} <= set(alerts.columns):
         return {}
     asked = alerts[(alerts["state"] == "firing") & alerts["resync"].astype(bool)]
-    return {("unknown" if p is None else str(p)): float(n)
+    return {(None if pd.isna(p) else str(p)): float(n)
             for p, n in asked.groupby(asked["pool"].astype(object), dropna=False).size().items()}
 
 
