@@ -1,4 +1,5 @@
-"""``mismatch-monitor summary RUN_DIR``: the latest step per pool and the worst slices."""
+"""``mismatch-monitor summary RUN_DIR [--window N]``: the latest step (or the last N steps,
+merged from their summed statistics) per pool, and the worst slices."""
 
 from __future__ import annotations
 
@@ -50,9 +51,20 @@ def _slice_name(row: pd.Series) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_dir", help="a run directory (holds run.json)")
     parser.add_argument("--worst", type=int, default=5, help="how many worst slices to list")
+    parser.add_argument("--window", type=int, default=1, metavar="N",
+                        help="cover the last N steps up to the latest observed one, merged exactly "
+                             "from their sums (a p99 of all their tokens, not a mean of per-step "
+                             "values); default 1, the latest step alone")
+
+
+def _window(con: object, run_dir: str, by: list[str], first: int, last: int) -> pd.DataFrame:
+    """Metrics per group over steps first..last, merged from the summed statistics."""
+    return query.metric_series(con, run_dir, by, steps=(first, last), per_step=False)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.window < 1:
+        raise ValueError(f"expected --window >= 1 (steps), got {args.window}")
     info = read_run_info(args.run_dir)
     con = query.connect()
     idx = query.steps_index(con, args.run_dir)
@@ -65,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
         print("no observations yet: every metric is null")
         return 0
     step = int(observed["step"].max())
-    by_pool = query.latest(con, args.run_dir, ["pool"])
-    print(f"\nlatest step {step}, per pool:")
+    first = step - args.window + 1
+    span = f"step {step}" if args.window == 1 else f"steps {first}..{step}"
+    by_pool = _window(con, args.run_dir, ["pool"], first, step)
+    print(f"\nlatest step {step}, per pool:" if args.window == 1 else
+          f"\nlast {args.window} steps ({span}), per pool, merged from their sums:")
     rows = []
     for _, r in by_pool.iterrows():
         meta = info.get("pools", {}).get(r["pool"], {}) if not pd.isna(r["pool"]) else {}
@@ -75,10 +90,10 @@ def run(args: argparse.Namespace) -> int:
         rows.append([name + (f" [{hw}]" if hw else "")] + [_fmt(r[k], f) for k, _, f in POOL_COLUMNS])
     print(format_table(["pool"] + [t for _, t, _ in POOL_COLUMNS], rows))
 
-    slices = query.latest(con, args.run_dir, list(SLICE_KEYS))
+    slices = _window(con, args.run_dir, list(SLICE_KEYS), first, step)
     slices = slices[slices["mismatch/n_tokens"] > 0].sort_values(
         "mismatch/abs_log_ratio/p99", ascending=False).head(args.worst)
-    print(f"\nworst slices at step {step} (by p99 |lr|):")
+    print(f"\nworst slices {'at' if args.window == 1 else 'over'} {span} (by p99 |lr|):")
     rows = [[_slice_name(r)] + [_fmt(r[k], f) for k, _, f in POOL_COLUMNS[:5]]
             for _, r in slices.iterrows()]
     print(format_table(["slice"] + [t for _, t, _ in POOL_COLUMNS[:5]], rows))
