@@ -75,7 +75,7 @@ def test_errors_are_clear(run, tmp_path, capsys):
         main(["export", str(run), "--metric", "not_a_metric"])
     assert "unknown metric 'not_a_metric'" in capsys.readouterr().err
     assert main(["export", str(run), "--metric", "k3_kl", "--by", "pool; DROP TABLE x"]) == 2
-    assert "cannot group tokens by" in capsys.readouterr().err
+    assert "--by pool; DROP TABLE x: not a label or bucket of this run" in capsys.readouterr().err
 
 
 def test_compact_keeps_the_summary(run):
@@ -157,3 +157,89 @@ def test_dashboard_port_zero_serves_on_the_free_port_it_prints(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)       # the process group this test started
             proc.wait()
+
+
+def test_export_by_step_and_internal_columns_are_refused(run, capsys):
+    assert main(["export", str(run), "--metric", "k3_kl", "--by", "step"]) == 2
+    err = capsys.readouterr().err
+    assert "--by step: every row is one step already" in err
+    for internal in ("file_id", "write_id"):
+        assert internal not in err                               # never offered as a choice
+        assert main(["export", str(run), "--metric", "k3_kl", "--by", internal]) == 2
+        assert f"--by {internal}: not a label or bucket of this run" in capsys.readouterr().err
+    assert main(["export", str(run), "--metric", "k3_kl", "--by", "pool", "--by", "pool"]) == 2
+    assert "names a column twice" in capsys.readouterr().err
+
+
+def test_export_steps_reversed_is_an_error_and_an_empty_range_is_said(run, capsys):
+    assert main(["export", str(run), "--metric", "k3_kl", "--steps", "3", "1"]) == 2
+    assert "--steps 3 1: expected FIRST <= LAST" in capsys.readouterr().err
+    assert main(["export", str(run), "--metric", "k3_kl", "--steps", "50", "60"]) == 0
+    captured = capsys.readouterr()
+    assert "no observations in steps 50..60 (the run has steps 0..3)" in captured.err
+    assert captured.out.strip() == "step,wall_time,mismatch/k3_kl"
+
+
+def test_export_bad_output_path_is_a_clear_error(run, tmp_path):
+    for target, says in ((tmp_path / "missing" / "k3.csv", "does not exist"), (tmp_path, "is a directory")):
+        result = _cli("export", str(run), "--metric", "k3_kl", "-o", str(target), timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert says in result.stderr and "Traceback" not in result.stderr
+    readonly = tmp_path / "ro"
+    readonly.mkdir(mode=0o500)
+    if os.access(readonly, os.W_OK):
+        return                                     # root writes anywhere: nothing more to check
+    result = _cli("export", str(run), "--metric", "k3_kl", "-o", str(readonly / "k3.csv"), timeout=60)
+    assert result.returncode == 2 and "cannot write --output" in result.stderr, result.stderr
+
+
+def test_every_export_and_summary_option_has_help():
+    from mismatch_monitor.cli import build_parser
+
+    for command in ("export", "summary"):
+        parser = build_parser(command)
+        sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+        missing = [a.option_strings or a.dest for a in sub._actions if not a.help]
+        assert not missing, (command, missing)
+
+
+def test_export_total_merges_the_steps_from_sums(run, tmp_path):
+    target = tmp_path / "total.csv"
+    assert main(["export", str(run), "--metric", "k3_kl", "--by", "pool", "--total", "--steps", "1", "3",
+                 "-o", str(target)]) == 0
+    got = pd.read_csv(target).set_index("pool")["mismatch/k3_kl"]
+    cells = _token_cells(run)
+    cells = cells[cells["step"].between(1, 3)].groupby("pool")[["sum_k3", "n_tokens"]].sum()
+    pd.testing.assert_series_equal(got.sort_index(), (cells["sum_k3"] / cells["n_tokens"]).sort_index(),
+                                   check_names=False, rtol=1e-12)
+
+
+def _token_cells(run_dir: Path) -> pd.DataFrame:
+    """The stored token cells, read straight from the Parquet files (one write per step here)."""
+    frames = [pd.read_parquet(f) for f in sorted((run_dir / "tokens").glob("*.parquet"))]
+    cells = pd.concat(frames, ignore_index=True)
+    assert not cells.duplicated(["step", "pool", "length_bucket", "turn_bucket"]).any()
+    return cells
+
+
+def test_summary_window_merges_the_last_steps_from_sums(tmp_path):
+    run_dir = tmp_path / "window"
+    with MismatchCollector(run_dir, flush_every_steps=100) as mc:
+        for s in range(6):
+            mc.log_step(s, make_batch(s))
+    code, out = _run("summary", str(run_dir), "--window", "3")
+    assert code == 0
+    assert "last 3 steps (steps 3..5), per pool, merged from their sums:" in out
+    assert "worst slices over steps 3..5" in out
+    cells = _token_cells(run_dir)
+    fp8 = cells[(cells["pool"] == "fp8") & cells["step"].between(3, 5)]
+    merged = fp8["sum_k3"].sum() / fp8["n_tokens"].sum()
+    per_step = fp8.groupby("step")[["sum_k3", "n_tokens"]].sum()
+    mean_of_steps = float((per_step["sum_k3"] / per_step["n_tokens"]).mean())
+    assert f"{merged:.3g}" != f"{mean_of_steps:.3g}"         # the two readings differ here
+    fp8_line = next(line for line in out.splitlines() if line.startswith("fp8"))
+    assert fp8_line.split()[1:3] == [f"{fp8['n_tokens'].sum():.0f}", f"{merged:.3g}"]
+    p99 = query.metric_series(query.connect(), run_dir, ["pool"], steps=(3, 5), per_step=False,
+                              metrics=["mismatch/abs_log_ratio/p99"]).set_index("pool")
+    assert f"{p99.loc['fp8', 'mismatch/abs_log_ratio/p99']:.3g}" in fp8_line
+    assert main(["summary", str(run_dir), "--window", "0"]) == 2
