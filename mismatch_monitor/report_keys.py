@@ -60,7 +60,10 @@ def label_text(value: str | None) -> str:
         return NULL_TEXT
     if value == "":
         return EMPTY_TEXT
-    return "".join(_escape(ch) for ch in str(value))
+    value = str(value)
+    if value.isprintable() and "%" not in value and "/" not in value:   # the common case, in C
+        return value
+    return "".join(_escape(ch) for ch in value)
 
 
 def parse_label_text(text: str) -> str | None:
@@ -120,7 +123,7 @@ def flatten_report(fleet: GroupMetrics, by_pool: GroupMetrics, stats: MismatchSt
     ``mismatch/pools_merged`` says how many, and a :class:`CardinalityWarning` is issued.
     ``config`` is the one the statistics were computed with (the histogram's accuracy).
     """
-    from .label_limits import LabelLimit, relabel_beyond, top_values   # it imports this module
+    from .label_limits import LabelLimit, rest_of, top_values   # it imports this module
 
     limit = limit or LabelLimit()
     out: dict[str, float] = {}
@@ -142,8 +145,8 @@ def flatten_report(fleet: GroupMetrics, by_pool: GroupMetrics, stats: MismatchSt
             warnings.warn("more pools in a step than LabelLimit.max_values: the pools with the fewest "
                           "tokens are merged into pool=%other in the report (the store keeps each)",
                           CardinalityWarning, stacklevel=2)
-            other, _ = report_by_label(relabel_beyond(stats, "pool", kept), "pool", config)
-            _rows(out, other, list(other.labels), np.array([t == OTHER_TEXT for t in other.labels]))
+            other, _ = report_by_label(rest_of(stats, "pool", kept), "pool", config)
+            _rows(out, other, [OTHER_TEXT] * len(other), np.ones(len(other), dtype=bool))
     _rows(out, by_pool, texts, keep)
     return out
 
