@@ -19,6 +19,7 @@ from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats, native
 from mismatch_monitor.engine.histogram import LogBins
+from mismatch_monitor.engine.ranges import sequence_ranges, split_by_cell
 from mismatch_monitor.engine.routing import routing_counts, sorting_network
 from mismatch_monitor.engine.regions import JointCoder
 from mismatch_monitor.engine.token_pass import TokenAccumulators
@@ -195,13 +196,14 @@ def test_ids_out_of_range_raise_instead_of_reading_past_the_arrays():
     # the compiled pass's own check of ids it reads per token (tokens in batch order), past
     # the engine's other uses of the ids
     batch = make_case(2, num_sequences=5).batch("seq_ids")
-    kernel = native.TokenKernel.build(NATIVE, JointCoder.build(NATIVE, torch.device("cpu")), LogBins.from_config(NATIVE),
-                                      1, 0, batch.num_sequences)
-    acc = TokenAccumulators.zeros(1, batch.num_sequences, 1000, LogBins.from_config(NATIVE).num_bins,
+    coder = JointCoder.build(NATIVE, torch.device("cpu"))
+    kernel = native.TokenKernel.build(NATIVE, coder, LogBins.from_config(NATIVE), 1, 0, batch.num_sequences, 1)
+    J = 2 * (len(NATIVE.lowprob_edges) + 1) * coder.R         # (1 cell + the dump) x lowprob x regions
+    acc = TokenAccumulators.zeros(1, batch.num_sequences, J, LogBins.from_config(NATIVE).num_bins,
                                   torch.device("cpu"), torch.int32)
     bad = batch.seq_index.clone()
     bad[-1] = batch.num_sequences
-    ranges = native.sequence_ranges(0, batch.num_tokens, None, np.zeros(batch.num_sequences, dtype=np.int64))
+    ranges = sequence_ranges(0, batch.num_tokens, None, np.zeros(batch.num_sequences, dtype=np.int64))
     with pytest.raises(IndexError, match="expected seq_index"):
         kernel.run(ranges, batch.trainer_logprobs, batch.sampler_logprobs, bad, None,
                    torch.zeros(batch.num_sequences, dtype=torch.int64), None, acc)
@@ -233,7 +235,7 @@ def test_sequence_ranges_cover_each_token_once_grouped_by_sequence_cell():
         seq_cell = rng.integers(0, 4, len(lengths))
         start = int(rng.integers(0, N))
         stop = int(rng.integers(start + 1, N + 1))
-        ranges = native.sequence_ranges(start, stop, offsets, seq_cell)
+        ranges = sequence_ranges(start, stop, offsets, seq_cell)
         covered = np.concatenate([np.arange(a, b) for a, b, _ in ranges])
         np.testing.assert_array_equal(np.sort(covered), np.arange(start, stop))
         for a, b, q in ranges:                                     # inside its own sequence
@@ -242,7 +244,7 @@ def test_sequence_ranges_cover_each_token_once_grouped_by_sequence_cell():
         assert (np.diff(cells) >= 0).all()                         # one cell after the other
         for c in np.unique(cells):                                 # batch order inside a cell
             assert (np.diff(ranges[cells == c, 2]) > 0).all()
-    assert native.sequence_ranges(3, 9, None, seq_cell).tolist() == [[3, 9, -1]]
+    assert sequence_ranges(3, 9, None, seq_cell).tolist() == [[3, 9, -1]]
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -260,14 +262,14 @@ def test_grouped_and_batch_order_passes_agree(workers):
 def test_split_by_cell_cuts_at_cell_boundaries_or_declines():
     offsets = np.arange(0, 101, 10)                               # ten sequences of ten tokens
     cells = np.array([0, 0, 1, 1, 1, 2, 2, 3, 3, 3])
-    ranges = native.sequence_ranges(0, 100, offsets, cells)
-    parts = native.split_by_cell(ranges, cells, 2)
+    ranges = sequence_ranges(0, 100, offsets, cells)
+    parts = split_by_cell(ranges, cells, 2)
     assert [int((p[:, 1] - p[:, 0]).sum()) for p in parts] == [50, 50]
     assert not set(cells[parts[0][:, 2]]) & set(cells[parts[1][:, 2]])   # no cell in both
-    assert native.split_by_cell(ranges, cells, 3) is None          # 20/50/30 is not within 5%
-    assert native.split_by_cell(ranges, np.zeros(10, dtype=np.int64), 2) is None   # one cell
-    in_order = native.sequence_ranges(0, 100, None, cells)
-    assert native.split_by_cell(in_order, cells, 2) is None        # ids read per token
+    assert split_by_cell(ranges, cells, 3) is None          # 20/50/30 is not within 5%
+    assert split_by_cell(ranges, np.zeros(10, dtype=np.int64), 2) is None   # one cell
+    in_order = sequence_ranges(0, 100, None, cells)
+    assert split_by_cell(in_order, cells, 2) is None        # ids read per token
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -280,7 +282,7 @@ def test_workers_share_tokens_when_cells_do_not_split(workers):
     batch = case.batch("offsets")
     config = replace(NATIVE, chunk_tokens=1024, length_edges=(1 << 20,))
     seq_cell = np.zeros(batch.num_sequences, dtype=np.int64)
-    assert native.split_by_cell(native.sequence_ranges(0, batch.num_tokens, batch.seq_offsets.numpy(), seq_cell),
+    assert split_by_cell(sequence_ranges(0, batch.num_tokens, batch.seq_offsets.numpy(), seq_cell),
                                 seq_cell, workers) is None
     got = compute_stats(batch, config, workers=workers)
     want = compute_stats(batch, replace(config, kernel="torch"))

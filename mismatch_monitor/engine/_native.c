@@ -17,6 +17,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The layout of the structs native.py passes in; a library built from another version of this
+ * file answers another number, and native.py refuses to call it (no call with a stale layout). */
+#define MM_ABI_VERSION 2
+
+int64_t mm_abi_version(void) { return MM_ABI_VERSION; }
+
+/* Per-ISA builds of the hot loops (picked at load time) where the compiler and the CPU family
+ * allow it: GCC and clang on x86-64. Elsewhere (arm64, other compilers) one portable build;
+ * -DMM_PORTABLE builds that one on x86-64 too (the tests compare it with the others). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(MM_PORTABLE)
+#define CLONES_TOKEN __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define CLONES_ROUTING __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CLONES_TOKEN
+#define CLONES_ROUTING
+#endif
+
 /* ------------------------------------------------------------------ token pass */
 
 /* Mirrored by native.TokenParams (ctypes); keep the order. */
@@ -215,6 +232,7 @@ static inline int block_values(const TokenParams *p, int64_t m, Block *b, int ha
     return 1;
 }
 
+/* The caller's accumulators; part of TokenPass, mirrored by native.Out (keep the order). */
 typedef struct {
     int64_t *joint_n;         /* [J] count per joint bin (cell, lowprob bucket, region slot) */
     double *joint_lr, *joint_lr2, *joint_k3, *joint_exp_abs, *joint_rho2;   /* [J] sums per joint bin */
@@ -405,7 +423,7 @@ static inline __attribute__((always_inline)) Run run_sums(const Block *restrict 
  * bin, and a run's sums are reduced in lanes. The running values of the current sequence are
  * plain locals (registers): held in a struct whose address escapes, each += would go through
  * memory. */
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+CLONES_TOKEN
 static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n_ranges, const void *t,
                             int t_dtype, const void *s, int s_dtype, const int64_t *restrict seq,
                             const int64_t *restrict turn, const int64_t *restrict seq_cell,
@@ -470,20 +488,35 @@ static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n
     return valid;
 }
 
+/* One call of the token pass, mirrored by native.TokenPass (ctypes; keep the order): what it
+ * reads and the caller's arrays it adds into. native.py checks every array's dtype, length and
+ * layout against TokenParams before it fills this in. */
+typedef struct {
+    int64_t version;                /* MM_ABI_VERSION of the caller's layout */
+    const TokenParams *params;
+    const Range *ranges;            /* [n_ranges] */
+    int64_t n_ranges;
+    const void *t, *s;              /* [N] log-probs, dtype 0 float32, 1 float64, 2 bfloat16 */
+    int64_t t_dtype, s_dtype;
+    const int64_t *seq;             /* [N] sequence ids (read for ranges without a sequence) */
+    const int64_t *turn;            /* [N] turn index, or NULL */
+    const int64_t *seq_cell;        /* [n_seq] sequence cell of each sequence */
+    const int64_t *turn_table;      /* [turn_last + 1] turn bucket of each turn index, or NULL */
+    Out out;
+} TokenPass;
+
 /* Every token statistic of the tokens in `ranges` ([n_ranges] Range, see there), added into
- * the caller's arrays (TokenAccumulators in token_pass.py: `joint_sums` are its five rows of
- * sums, lr, lr^2, k3, exp|lr| and rho^2, where lr^2 and exp|lr| go to each cell's first bin;
- * `abs_hist` is [cells * NB] int32, for batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or
+ * the caller's arrays (TokenAccumulators in token_pass.py: the five joint sums are lr, lr^2,
+ * k3, exp|lr| and rho^2, where lr^2 and exp|lr| go to each cell's first bin; `abs_hist` is
+ * [cells * NB] int32, for batches of fewer than 2^31 tokens). Invalid tokens (non-finite, or
  * a log-prob above tol) count per cell and per sequence and touch nothing else. Returns the
  * number of valid tokens; -1 when the series has not the N_SERIES coefficients this file was
  * compiled for, -2 when memory runs out, -3 when a sequence id or turn index is out of range
- * (nothing is read through it; the caller's arrays then hold part of the pass). */
-int64_t mm_token_pass(const TokenParams *p, const Range *ranges, int64_t n_ranges, const void *t, int t_dtype,
-                      const void *s, int s_dtype, const int64_t *seq, const int64_t *turn,
-                      const int64_t *seq_cell, const int64_t *turn_table, int64_t *joint_n,
-                      double *const *joint_sums, int32_t *abs_hist, double *min_lr, double *max_lr, int64_t *n_nonfinite,
-                      int64_t *n_positive, int64_t *seq_invalid, double *seq_sum_lr, double *seq_sum_exp_abs,
-                      double *seq_max_abs) {
+ * (nothing is read through it; the caller's arrays then hold part of the pass), -4 when the
+ * caller's layout is another version's. */
+int64_t mm_token_pass(const TokenPass *a) {
+    if (a->version != MM_ABI_VERSION) return -4;
+    const TokenParams *p = a->params;
     if (p->n_series != N_SERIES) return -1;
     const int64_t T = p->n_turn, NB = p->NB;
     const size_t n_joint = (size_t)(T * COPIES * 2 * p->NL);
@@ -504,11 +537,8 @@ int64_t mm_token_pass(const TokenParams *p, const Range *ranges, int64_t n_range
         L.hi = ints + T;
         L.used = ints + 2 * T;        /* [T] the list, then [T] flags */
         for (int64_t tb = 0; tb < T; tb++) reset_bucket(&L, tb, NB);
-        Out out = {joint_n, joint_sums[0], joint_sums[1], joint_sums[2], joint_sums[3], joint_sums[4],
-                   min_lr, max_lr, seq_sum_lr, seq_sum_exp_abs, seq_max_abs,
-                   abs_hist, n_nonfinite, n_positive, seq_invalid};
-        valid = token_blocks(p, ranges, n_ranges, t, t_dtype, s, s_dtype, seq, turn, seq_cell, turn_table, &out,
-                             &L, blk);
+        valid = token_blocks(p, a->ranges, a->n_ranges, a->t, (int)a->t_dtype, a->s, (int)a->s_dtype, a->seq,
+                             a->turn, a->seq_cell, a->turn_table, &a->out, &L, blk);
     }
     free(L.joint);
     free(L.hist);
@@ -616,12 +646,29 @@ typedef struct {
     int64_t n;
 } ByteLayers;
 
+/* out[i] = v[idx[i]] for 16 byte lanes (idx < 16): GCC's generic shuffle, else a lane loop
+ * (clang's vector extension has no shuffle with run-time indices; the loop is exact on every
+ * target, and only the top-8 byte routing path uses it). */
+static inline V16 permute16(V16 v, V16 idx) {
+#if defined(__GNUC__) && !defined(__clang__) && !defined(MM_PORTABLE)
+    return __builtin_shuffle(v, idx);
+#else
+    unsigned char in[16], ix[16], out[16];
+    memcpy(in, &v, 16);
+    memcpy(ix, &idx, 16);
+    for (int i = 0; i < 16; i++) out[i] = in[ix[i] & 15];
+    V16 w;
+    memcpy(&w, out, 16);
+    return w;
+#endif
+}
+
 static inline int differ_top8_bytes(const unsigned char *tr, const unsigned char *sr, const ByteLayers *bl) {
     V16 v;
     memcpy(&v, tr, 8);
     memcpy((unsigned char *)&v + 8, sr, 8);
     for (int64_t l = 0; l < bl->n; l++) {
-        const V16 w = __builtin_shuffle(v, bl->partner[l]);
+        const V16 w = permute16(v, bl->partner[l]);
         const V16 lt = (V16)(v < w);
         const V16 lo = (v & lt) | (w & ~lt), hi = (w & lt) | (v & ~lt);
         v = (lo & bl->lower[l]) | (hi & ~bl->lower[l]);
@@ -648,11 +695,12 @@ static inline int differ_as_sets(const unsigned char *tr, const unsigned char *s
 /* [n, L, K] ids of `size` bytes from both sides; a (token, layer) flips when the sorted ids
  * differ (the multiset of the top-k; order inside the top-k does not count). Adds flips per
  * (cell, layer) and tokens with any flip per cell. `net` sorts K inputs. Returns the number
- * of flips, or -1 when K is above the supported 64 (or the byte layers above 16). */
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+ * of flips, -1 when K is above the supported 64 (or the byte layers above 16), -2 when a cell
+ * is outside [0, n_cells) (the caller's arrays then hold part of the count). */
+CLONES_ROUTING
 static int64_t routing_loop(int64_t n, int64_t L, int64_t K, int64_t size, const void *trainer,
-                            const void *sampler, const int64_t *cell, const Network *net, int64_t *per_layer,
-                            int64_t *any_flip) {
+                            const void *sampler, const int64_t *cell, int64_t n_cells, const Network *net,
+                            int64_t *per_layer, int64_t *any_flip) {
     if (K > 64 || net->n_layers > MAX_BYTE_LAYERS) return -1;
     ByteLayers bl;
     bl.n = net->n_layers;
@@ -666,6 +714,7 @@ static int64_t routing_loop(int64_t n, int64_t L, int64_t K, int64_t size, const
     int64_t total = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t c = cell[i];
+        if ((uint64_t)c >= (uint64_t)n_cells) return -2;
         int64_t flips = 0;
         for (int64_t l0 = 0; l0 < L; l0 += 64) {
             const int64_t nl = L - l0 < 64 ? L - l0 : 64;
@@ -702,9 +751,9 @@ static int64_t routing_loop(int64_t n, int64_t L, int64_t K, int64_t size, const
 }
 
 int64_t mm_routing_flips(int64_t n, int64_t L, int64_t K, int64_t size, const void *trainer,
-                         const void *sampler, const int64_t *cell, const Network *net, int64_t *per_layer,
-                         int64_t *any_flip) {
-    return routing_loop(n, L, K, size, trainer, sampler, cell, net, per_layer, any_flip);
+                         const void *sampler, const int64_t *cell, int64_t n_cells, const Network *net,
+                         int64_t *per_layer, int64_t *any_flip) {
+    return routing_loop(n, L, K, size, trainer, sampler, cell, n_cells, net, per_layer, any_flip);
 }
 
 /* ------------------------------------------------------------------ module */

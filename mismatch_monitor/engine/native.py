@@ -1,4 +1,4 @@
-"""The compiled token pass and routing loops (``_native.c``), called through ctypes.
+"""The compiled token pass (``_native.c``), called through ctypes, and the choice of kernel.
 
 The extension is built by ``pip install`` when a C compiler is there (``setup.py``); without
 it the engine runs its torch implementation, which computes the same statistics (the tests run
@@ -8,7 +8,9 @@ never uses them. The loops only read the inputs and add into the caller's accumu
 releases the GIL during a call, so Python threads run them in parallel.
 
 Everything the loops compare against (bin edges, regions, bucket edges, the sorting network)
-is computed here from the one definition in Python and passed in.
+is computed here from the one definition in Python and passed in; every array is checked
+against the layout the loops read (``boundary.py``). The routing loop's caller is
+``native_routing.py``; the token order, ``ranges.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ctypes
 import functools
 import importlib.util
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,52 +27,40 @@ import numpy as np
 import torch
 
 from ..config import MetricConfig
+from .boundary import ABI_VERSION, LOGPROB_DTYPES, OUT_ARRAYS, SUM_ROWS, Out, TokenParams, TokenPass
+from .boundary import abi_version, bind, checked
 from .histogram import LogBins
 
 if TYPE_CHECKING:
     from .regions import JointCoder
 
-# the rows of joint sums the compiled pass adds into, in the order mm_token_pass takes them
-# (lr^2 and exp|lr| on each cell's first bin: the tables read them per cell only)
-SUM_ROWS = ("lr", "lr2", "k3", "exp_abs", "rho2")
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
-_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}   # read as they are
+_DTYPES = LOGPROB_DTYPES
 # |lr| below this: k3 = rho - 1 - lr and exp|lr| from their Taylor series to x^10 / 10!
 # (the first term left out is below 1e-18 relative); above it expm1 and exp
 POLY_MAX = 1.0 / 16
 SERIES = np.array([1.0 / math.factorial(n) for n in range(2, 11)])
-
-
-class TokenParams(ctypes.Structure):
-    _fields_ = [("n_turn", _I), ("turn_last", _I), ("NL", _I), ("R", _I), ("NB", _I),
-                ("tol", ctypes.c_double), ("outlier_abs", ctypes.c_double), ("poly_max", ctypes.c_double),
-                ("log_edges", _P), ("region_bounds", _P), ("slot_of_region", _P), ("upper", _P),
-                ("lut", _P), ("lut_shift", _I), ("lut_base", _I), ("lut_size", _I),
-                ("series", _P), ("n_series", _I), ("n_seq", _I)]
-
-
-class Network(ctypes.Structure):
-    _fields_ = [("pairs", _P), ("n_pairs", _I), ("partner", _P), ("lower", _P), ("n_layers", _I)]
+# what the compiled pass saves, measured (benchmarks/README.md: 1M-32M tokens, one thread): the
+# torch ops take about this many times its time on the same batch
+TORCH_OPS_SLOWDOWN = 4
 
 
 @functools.lru_cache(maxsize=1)
-def library() -> ctypes.CDLL | None:
-    """The loaded extension, or None when it was not built."""
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded extension, "") or (None, why it cannot be used)."""
     spec = importlib.util.find_spec(f"{__package__}._native")
     if spec is None or not spec.origin:
-        return None
+        return None, "the compiled extension mismatch_monitor.engine._native was not built (reinstall with a C compiler)"
     lib = ctypes.CDLL(spec.origin)
-    lib.mm_token_pass.restype = _I
-    lib.mm_token_pass.argtypes = [ctypes.POINTER(TokenParams), _P, _I, _P, ctypes.c_int, _P, ctypes.c_int,
-                                  _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
-    lib.mm_count_nonzero.restype = _I
-    lib.mm_count_nonzero.argtypes = [_P, _I, _I]
-    lib.mm_nonzero_rows.restype = _I
-    lib.mm_nonzero_rows.argtypes = [_P, _I, _I, _I, _P, _P, _P]
-    lib.mm_routing_flips.restype = _I
-    lib.mm_routing_flips.argtypes = [_I, _I, _I, _I, _P, _P, _P, ctypes.POINTER(Network), _P, _P]
-    return lib
+    version = abi_version(lib)
+    if version != ABI_VERSION:
+        return None, (f"the compiled extension {spec.origin} has layout version {version}, this module passes "
+                      f"version {ABI_VERSION} (reinstall to rebuild it)")
+    return bind(lib), ""
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded extension, or None when it was not built (or built from another version)."""
+    return _load()[0]
 
 
 def available() -> bool:
@@ -81,25 +72,37 @@ MAX_TOKENS = (1 << 31) - 1   # the compiled pass counts histogram bins in 32 bit
 
 def use_native(config: MetricConfig, device: torch.device, num_tokens: int = 0) -> bool:
     """Whether the engine takes the compiled loops for ``num_tokens`` tokens on ``device``;
-    with ``kernel="native"``, why not is an error."""
+    with ``kernel="native"``, why not is an error; with ``kernel="auto"`` on a CPU tensor, a
+    warning (once per reason) that names the cost. Other devices take the torch ops by design."""
     if config.kernel == "torch":
         return False
     if device.type != "cpu":
-        why: Exception | None = ValueError(f"MetricConfig.kernel='native' runs on CPU tensors only, got {device}")
+        why: Exception = ValueError(f"runs on CPU tensors only, got {device}")
     elif num_tokens > MAX_TOKENS:
-        why = ValueError(f"MetricConfig.kernel='native' takes up to {MAX_TOKENS} tokens a batch, got {num_tokens}")
+        why = ValueError(f"takes up to {MAX_TOKENS} tokens a batch, got {num_tokens}")
     elif bin_lookup(LogBins.from_config(config)) is None:
-        why = ValueError(f"MetricConfig.kernel='native' needs a histogram lookup of at most {LOOKUP_MAX} "
-                         f"keys; hist_relative_accuracy={config.hist_relative_accuracy} over [hist_min, "
-                         f"hist_max] needs more")
+        why = ValueError(f"needs a histogram lookup of at most {LOOKUP_MAX} keys; hist_relative_accuracy="
+                         f"{config.hist_relative_accuracy} over [hist_min, hist_max] needs more")
     elif library() is None:
-        why = RuntimeError("MetricConfig.kernel='native' but the compiled extension mismatch_monitor.engine._native "
-                           "was not built (reinstall with a C compiler)")
+        why = RuntimeError("is not available: " + (_load()[1] or "the compiled extension "
+                           "mismatch_monitor.engine._native was not built (reinstall with a C compiler)"))
     else:
         return True
     if config.kernel == "native":
-        raise why
+        raise type(why)(f"MetricConfig.kernel='native', but the compiled pass {why}")
+    if device.type == "cpu":
+        _warn_fallback(str(why))
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(why: str) -> None:
+    """One warning per reason and process: the engine silently running 4x slower is a cost the
+    user should hear about once, not every step."""
+    warnings.warn(f"mismatch-monitor: the metric engine runs its torch ops on CPU, about {TORCH_OPS_SLOWDOWN}x "
+                  f"slower than its compiled per-token loops (benchmarks/README.md), because the compiled "
+                  f"pass {why}. MetricConfig(kernel='torch') chooses the torch ops without this warning.",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
@@ -142,10 +145,11 @@ class TokenKernel:
 
     params: TokenParams
     keep: tuple
+    n_seq_cells: int            # sequence cells: token cells are n_seq_cells * params.n_turn
 
     @classmethod
     def build(cls, config: MetricConfig, coder: JointCoder, bins: LogBins, n_turn: int,
-              turn_last: int, n_seq: int) -> "TokenKernel":
+              turn_last: int, n_seq: int, n_seq_cells: int) -> "TokenKernel":
         upper, lut, shift, base = bin_lookup(bins)
         log_edges = np.array(coder.log_edges, dtype=np.float64)
         bounds = coder.region_bounds.cpu().numpy().astype(np.float64)
@@ -158,134 +162,93 @@ class TokenKernel:
             log_edges=_ptr(log_edges), region_bounds=_ptr(bounds), slot_of_region=_ptr(slots),
             upper=_ptr(upper), lut=_ptr(lut), lut_shift=shift, lut_base=base, lut_size=len(lut),
             series=_ptr(series), n_series=len(series), n_seq=n_seq)
-        return cls(params, keep)
+        return cls(params, keep, n_seq_cells)
 
     def run(self, ranges: np.ndarray, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor,
             turn: torch.Tensor | None, seq_cell: torch.Tensor, turn_table: torch.Tensor | None, acc) -> int:
         """The tokens of ``ranges`` ([n, 3] int64 rows (start, stop, sequence), or sequence -1 for
         a range whose ids are read from ``seq``; see :func:`sequence_ranges`) of the whole-batch
         tensors into the accumulators ``acc`` (token_pass.TokenAccumulators, ``abs_hist``
-        int32 here)."""
+        int32 here). Every array is checked against the layout the loop reads (boundary.py)."""
+        # float16 widened, strided views copied: the arrays passed are these, alive to the call's end
         t, s = _float(t), _float(s)
-        seq, seq_cell = seq.contiguous(), seq_cell.contiguous()
+        seq = seq.contiguous()
         turn = None if turn is None else turn.contiguous()
-        ranges = np.ascontiguousarray(ranges, dtype=np.int64)
-        sums = acc.sum_rows()
-        rows = (_P * len(SUM_ROWS))(*[_ptr(sums[name]) for name in SUM_ROWS])
-        valid = library().mm_token_pass(
-            ctypes.byref(self.params), _ptr(ranges), len(ranges), _ptr(t), _DTYPES[t.dtype], _ptr(s),
-            _DTYPES[s.dtype], _ptr(seq), _ptr(turn), _ptr(seq_cell), _ptr(turn_table), _ptr(acc.joint_n), rows,
-            _ptr(acc.abs_hist),
-            _ptr(acc.min_lr), _ptr(acc.max_lr), _ptr(acc.n_nonfinite), _ptr(acc.n_positive),
-            _ptr(acc.seq_invalid), _ptr(acc.seq_sum_lr), _ptr(acc.seq_sum_exp_abs), _ptr(acc.seq_max_abs))
+        N = t.numel()
+        call = TokenPass(version=ABI_VERSION, params=ctypes.pointer(self.params))
+        call.t, call.s, call.seq, call.turn = self._inputs(t, s, seq, turn, N)
+        call.t_dtype, call.s_dtype = _DTYPES[t.dtype], _DTYPES[s.dtype]
+        call.ranges, call.n_ranges = self._ranges(ranges, N), len(ranges)
+        call.seq_cell, call.turn_table = self._tables(seq_cell, turn_table)
+        call.out = self._out(acc)
+        valid = library().mm_token_pass(ctypes.byref(call))
         if valid == -2:
             raise MemoryError("the compiled token pass could not allocate its per-cell buffers")
         if valid == -3:
             raise IndexError(f"expected seq_index in [0, {self.params.n_seq}) and turn_index >= 0 "
                              "(build batches with TokenBatch.from_flat / from_padded, which check them)")
+        if valid == -4:
+            raise RuntimeError(f"the compiled token pass has another layout than version {ABI_VERSION}; reinstall")
         if valid < 0:
             raise RuntimeError("the compiled token pass was built for another series length; reinstall")
         return valid
 
+    @staticmethod
+    def _inputs(t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor, turn: torch.Tensor | None, N: int
+                ) -> tuple[int, int, int, int | None]:
+        """Addresses of the batch's [N] inputs."""
+        floats = tuple(_DTYPES)
+        return (checked(_WHERE, "trainer_logprobs", t, floats, (N,)),
+                checked(_WHERE, "sampler_logprobs", s, floats, (N,)),
+                checked(_WHERE, "seq_index", seq, (torch.int64,), (N,)),
+                checked(_WHERE, "turn_index", turn, (torch.int64,), (N,), optional=True))
 
-def sequence_ranges(start: int, stop: int, seq_offsets: np.ndarray | None, seq_cell: np.ndarray) -> np.ndarray:
-    """The order the compiled pass takes tokens [start, stop) in: [n, 3] int64 rows (start,
-    stop, sequence). With ``seq_offsets`` (every sequence contiguous), one row per sequence,
-    the sequences of one sequence cell one after the other (stable, so in batch order inside a
-    cell): the pass then keeps a cell's bins in cache until the cell's last sequence, instead
-    of adding them to the [cells x bins] arrays at every change of cell. Without, one row of
-    the tokens in batch order, their sequence ids read per token."""
-    if seq_offsets is None:
-        return np.array([[start, stop, -1]], dtype=np.int64)
-    first = int(np.searchsorted(seq_offsets, start, side="right")) - 1
-    last = int(np.searchsorted(seq_offsets, stop, side="left"))
-    seqs = np.arange(first, last, dtype=np.int64)
-    lo = np.maximum(seq_offsets[first:last], start)
-    hi = np.minimum(seq_offsets[first + 1:last + 1], stop)
-    keep = hi > lo
-    seqs, lo, hi = seqs[keep], lo[keep], hi[keep]
-    # cells, then batch order: unique keys, so the (faster) unstable sort is stable here
-    order = np.argsort(seq_cell[seqs] * len(seqs) + np.arange(len(seqs)))
-    return np.stack([lo[order], hi[order], seqs[order]], axis=1)
+    def _ranges(self, ranges: np.ndarray, N: int) -> int:
+        addr = checked(_WHERE, "ranges", ranges, (np.int64,), (len(ranges), 3))
+        start, stop, seq = ranges[:, 0], ranges[:, 1], ranges[:, 2]
+        if len(ranges) and not ((0 <= start) & (start <= stop) & (stop <= N) & (seq < self.params.n_seq)).all():
+            raise IndexError(f"{_WHERE}: expected ranges with 0 <= start <= stop <= {N} and sequence < "
+                             f"{self.params.n_seq}")
+        return addr
+
+    def _tables(self, seq_cell: torch.Tensor, turn_table: torch.Tensor | None) -> tuple[int, int | None]:
+        """The per-sequence cells and the turn table: small, so their values are checked too
+        (the loop indexes the accumulators with them)."""
+        p = self.params
+        cells = checked(_WHERE, "seq_cell", seq_cell, (torch.int64,), (p.n_seq,))
+        if p.n_seq and not (0 <= int(seq_cell.min()) and int(seq_cell.max()) < self.n_seq_cells):
+            raise IndexError(f"{_WHERE}: expected seq_cell in [0, {self.n_seq_cells})")
+        table = checked(_WHERE, "turn_table", turn_table, (torch.int64,), (p.turn_last + 1,), optional=True)
+        if turn_table is not None and not (0 <= int(turn_table.min()) and int(turn_table.max()) < p.n_turn):
+            raise IndexError(f"{_WHERE}: expected turn_table in [0, {p.n_turn})")
+        return cells, table
+
+    def _out(self, acc) -> Out:
+        """The accumulators' addresses, each checked for the length the loop adds into."""
+        p = self.params
+        C1, B1 = self.n_seq_cells * p.n_turn + 1, p.n_seq + 1        # + the dump cell / sequence
+        J = C1 * p.NL * p.R
+        f64, i64 = (torch.float64,), (torch.int64,)
+        checked(_WHERE, "acc.joint_sums", acc.joint_sums, f64, (len(SUM_ROWS), J))
+        sums = acc.sum_rows()
+        shapes = {"joint_n": (i64, J), "abs_hist": ((torch.int32,), C1 * p.NB), "min_lr": (f64, C1),
+                  "max_lr": (f64, C1), "n_nonfinite": (i64, C1), "n_positive": (i64, C1), "seq_invalid": (i64, B1),
+                  "seq_sum_lr": (f64, B1), "seq_sum_exp_abs": (f64, B1), "seq_max_abs": (f64, B1)}
+        shapes.update({f"joint_{name}": (f64, J) for name in SUM_ROWS})
+        arrays = {name: getattr(acc, name) for name in OUT_ARRAYS if not name.startswith("joint_") or name == "joint_n"}
+        arrays.update({f"joint_{name}": sums[name] for name in SUM_ROWS})
+        return Out(**{name: checked(_WHERE, f"acc.{name}", arrays[name], shapes[name][0], (shapes[name][1],))
+                      for name in OUT_ARRAYS})
 
 
-def split_by_cell(ranges: np.ndarray, seq_cell: np.ndarray, n: int, slack: float = 0.05) -> list[np.ndarray] | None:
-    """``ranges`` (grouped by sequence cell, see :func:`sequence_ranges`) cut at cell boundaries
-    into ``n`` parts of about equal tokens, so that no cell (and no sequence) is in two parts;
-    None when the cells do not allow parts within ``slack`` of an equal share."""
-    if n <= 1:
-        return [ranges]
-    tokens = np.cumsum(ranges[:, 1] - ranges[:, 0])
-    total = int(tokens[-1]) if len(tokens) else 0
-    cell = seq_cell[ranges[:, 2]] if (ranges[:, 2] >= 0).all() else None
-    if cell is None or total == 0:
-        return None
-    firsts = np.flatnonzero(np.diff(cell)) + 1                 # ranges that start a new cell
-    if len(firsts) < n - 1:
-        return None
-    before = tokens[firsts - 1]
-    cuts = [int(firsts[np.abs(before - total * k / n).argmin()]) for k in range(1, n)]
-    bounds = [0] + sorted(set(cuts)) + [len(ranges)]
-    if len(bounds) != n + 1:
-        return None
-    sizes = np.diff(np.concatenate([[0], tokens])[bounds])
-    if sizes.max() > (1 + slack) * total / n:
-        return None
-    return [ranges[a:b] for a, b in zip(bounds, bounds[1:])]
+_WHERE = "compiled token pass"
 
 
 def _float(t: torch.Tensor) -> torch.Tensor:
     """float32, float64 and bfloat16 as they are (the loop reads them); float16 widens to
-    float32 exactly."""
+    float32 exactly; any other dtype is left for the boundary check to refuse."""
     t = t.contiguous()
-    return t if t.dtype in _DTYPES else t.to(torch.float32)
-
-
-def byte_layers(network: tuple[tuple[int, int], ...]) -> tuple[np.ndarray, np.ndarray]:
-    """The comparators of an 8-input network in layers of disjoint pairs, as the 16-lane vectors
-    of the top-8 byte path of _native.c ([layers, 16] uint8 each): each lane's partner (itself
-    when it has none) and 0xff where the lane keeps the minimum; lanes 8-15 repeat 0-7 for the
-    second row. A pair joins the current layer when it shares no lane with it: only
-    comparators on disjoint lanes change places, so the layers sort as the sequence does."""
-    layers: list[list[tuple[int, int]]] = []
-    for i, j in network:
-        if not layers or any({i, j} & {a, b} for a, b in layers[-1]):
-            layers.append([])
-        layers[-1].append((i, j))
-    partner = np.tile(np.arange(16, dtype=np.uint8), (len(layers), 1))
-    lower = np.full((len(layers), 16), 255, dtype=np.uint8)
-    for row, layer in enumerate(layers):
-        for half in (0, 8):
-            for i, j in layer:
-                partner[row, half + i], partner[row, half + j] = half + j, half + i
-                lower[row, half + j] = 0
-    return partner, lower
-
-
-@functools.lru_cache(maxsize=None)
-def _network(network: tuple[tuple[int, int], ...], k: int) -> tuple[Network, tuple]:
-    """The ctypes form of a sorting network for ``k`` inputs (kept with the arrays it points
-    into); for 8 inputs with the byte layers too."""
-    pairs = np.array(network, dtype=np.int32).reshape(-1)
-    if k == 8:
-        partner, lower = byte_layers(network)
-    else:
-        partner = lower = np.zeros((0, 16), dtype=np.uint8)
-    return Network(_ptr(pairs), len(network), _ptr(partner), _ptr(lower), len(partner)), (pairs, partner, lower)
-
-
-def routing_flips(trainer: torch.Tensor, sampler: torch.Tensor, cell: torch.Tensor,
-                  network: tuple[tuple[int, int], ...], per_layer: torch.Tensor, any_flip: torch.Tensor) -> int:
-    """Flips of [n, L, K] integer ids into ``per_layer`` [C * L] and ``any_flip`` [C] (int64);
-    ``network`` sorts K inputs (routing.sorting_network)."""
-    n, L, K = trainer.shape
-    trainer, sampler, cell = trainer.contiguous(), sampler.contiguous(), cell.contiguous()
-    net, _ = _network(network, K)
-    total = library().mm_routing_flips(n, L, K, trainer.element_size(), _ptr(trainer), _ptr(sampler),
-                                       _ptr(cell), ctypes.byref(net), _ptr(per_layer), _ptr(any_flip))
-    if total < 0:
-        raise ValueError(f"the compiled routing loop takes top-k up to 64, got K={K}")
-    return total
+    return t.to(torch.float32) if t.dtype == torch.float16 else t
 
 
 def nonzero_rows(values: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from . import native
+from . import native_routing
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -107,7 +107,7 @@ def routing_counts(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor,
 
     Returns (n_routed_tokens [C], n_tokens_any_flip [C], flips per cell and layer [C, L], L).
     ``chunk`` bounds the tokens per pass; it is lowered so that one side's ids of a chunk stay
-    near 16 MiB whatever L and K. ``compiled`` runs the loop of ``native.py`` instead (CPU
+    near 16 MiB whatever L and K. ``compiled`` runs the loop of ``native_routing.py`` instead (CPU
     tensors, K <= 64): one read of both id tensors, the same counts.
     """
     N, L, K = trainer_experts.shape
@@ -116,7 +116,7 @@ def routing_counts(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor,
     any_flip = torch.zeros(num_cells, dtype=torch.int64, device=device)
     per_layer = torch.zeros(num_cells * L, dtype=torch.int64, device=device)
     if compiled and K <= 64:
-        native.routing_flips(trainer_experts, sampler_experts, token_cell, sorting_network(K), per_layer, any_flip)
+        native_routing.routing_flips(trainer_experts, sampler_experts, token_cell, sorting_network(K), per_layer, any_flip)
         return routed, any_flip, per_layer.view(num_cells, L), L
     chunk = max(1, min(chunk, (16 << 20) // max(1, L * K * trainer_experts.element_size())))
     for start in range(0, N, chunk):

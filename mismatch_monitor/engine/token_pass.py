@@ -32,6 +32,7 @@ from ..batch import TokenBatch
 from ..config import MetricConfig
 from . import native
 from .histogram import LogBins
+from .ranges import sequence_ranges, split_by_cell
 from .regions import JointCoder
 from .slicing import Cells, bucket_table
 
@@ -119,7 +120,7 @@ def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
     if native.use_native(config, batch.device, batch.num_tokens):
         kernel = native.TokenKernel.build(config, coder, bins, cells.num_turn_buckets,
                                           0 if turn_table is None else turn_table.numel() - 1,
-                                          batch.num_sequences)
+                                          batch.num_sequences, cells.num_seq_cells)
     return _Plan(
         C=cells.num_token_cells, B=batch.num_sequences, NL=len(config.lowprob_edges) + 1, R=coder.R,
         bins=bins, coder=coder, turn_table=turn_table, tol=config.positive_logprob_tol, kernel=kernel,
@@ -200,15 +201,15 @@ def _native_pass(batch: TokenBatch, cells: Cells, p: _Plan, chunk: int, workers:
         # a batch of fewer tokens, see _plan); the non-zero ones are widened in the tables
         return TokenAccumulators.zeros(p.C, p.B, p.J, p.bins.num_bins, batch.device, torch.int32)
 
-    ranges = native.sequence_ranges(0, N, offsets, seq_cell)
-    parts = native.split_by_cell(ranges, seq_cell, n)
+    ranges = sequence_ranges(0, N, offsets, seq_cell)
+    parts = split_by_cell(ranges, seq_cell, n)
     if parts is not None:                       # one set of accumulators, cells apart
         accs = [fresh()]
         jobs = [(accs[0], part) for part in parts]
     else:                                       # token shares, each into its own, merged
         bounds = [N * i // n for i in range(n + 1)]
         accs = [fresh() for _ in range(n)]
-        jobs = [(acc, native.sequence_ranges(bounds[i], bounds[i + 1], offsets, seq_cell))
+        jobs = [(acc, sequence_ranges(bounds[i], bounds[i + 1], offsets, seq_cell))
                 for i, acc in enumerate(accs)]
 
     def run(job: tuple[TokenAccumulators, np.ndarray]) -> None:
