@@ -205,3 +205,31 @@ def test_fleet_wide_resyncs_have_no_pool_label_live_and_served(tmp_path):
         resyncs = {tuple(sorted(s.labels.items())): s.value for s in scrape(exporter)
                    if s.name == "mismatch_resyncs_total"}
         assert resyncs == {(): 1.0, (("pool", "%null"),): 1.0, (("pool", "unknown"),): 1.0}
+
+
+def test_serve_takes_the_label_limit_and_refuses_a_bad_one(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from mismatch_monitor.collectors import MismatchCollector
+
+    with MismatchCollector(tmp_path / "run", config=CONFIG, alert_evaluator=None) as mc:
+        mc.log_step(0, make_batch(["big", "small", "tiny"], [30, 20, 10])[0])
+    serve = ("import argparse, sys; from mismatch_monitor.cli import serve; p = argparse.ArgumentParser(); "
+             "serve.add_arguments(p); sys.exit(serve.run(p.parse_args(sys.argv[1:])))")
+    bad = subprocess.run([sys.executable, "-c", serve, str(tmp_path / "run"), "--max-label-values", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "expected LabelLimit.max_values to be an integer >= 1, got 0" in bad.stderr
+    proc = subprocess.Popen([sys.executable, "-c", serve, str(tmp_path / "run"), "--port", "0",
+                             "--max-label-values", "1"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().split(" on ")[1].split()[0]
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert 'mismatch_n_tokens{pool="big"} 30.0' in body and 'mismatch_n_tokens{pool="%other"} 30.0' in body
+        assert 'pool="small"' not in body and 'mismatch_label_values_merged{label="pool"} 2.0' in body
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0

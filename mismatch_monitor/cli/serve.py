@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to serve /metrics on (0: any free port)")
     parser.add_argument("--addr", default="127.0.0.1", help="address to bind (default: 127.0.0.1 only)")
     parser.add_argument("--poll-seconds", type=float, default=5.0, help="how often to look for new steps")
+    parser.add_argument("--max-label-values", type=int, default=None,
+                        help="values of a label (pool, hardware) exported one by one; the rest are merged "
+                             "into %%other (default: LabelLimit's, 100)")
 
 
 def load_run(exporter: Any, con: Any, run_dir: str | Path) -> int | None:
@@ -67,13 +70,15 @@ def _resyncs(con: Any, run_dir: str | Path) -> dict[str | None, float]:
 def run(args: argparse.Namespace) -> int:
     from .. import query
     from ..exporter import MismatchExporter
+    from ..label_limits import LabelLimit
     from ..store import read_run_info
 
     read_run_info(args.run_dir)  # a clear error when it is not a run
     if not args.poll_seconds > 0:
         raise ValueError(f"expected --poll-seconds > 0, got {args.poll_seconds}")
+    limit = LabelLimit() if args.max_label_values is None else LabelLimit(args.max_label_values)
     con = query.connect()
-    exporter = MismatchExporter(config=query.run_config(args.run_dir))
+    exporter = MismatchExporter(config=query.run_config(args.run_dir), limit=limit)
     step = load_run(exporter, con, args.run_dir)
     port = exporter.start(args.port, args.addr)
     print(f"serving {args.run_dir} on http://{args.addr}:{port}/metrics "
