@@ -92,6 +92,7 @@ def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) ->
     out, span = _start(con, run_dir, window, max_points)
     out["events"] = query.alert_events(con, run_dir)
     out["firing"] = query.firing_alerts(out["events"])
+    out["errors"] = query.error_messages(query.collector_errors(con, run_dir))
     index = out["index"]
     observed = index.loc[index["n_tokens"] > 0, "step"]
     last = int(observed.max()) if len(observed) else -1   # the latest step with observations

@@ -26,6 +26,15 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         if span is None:
             layout.no_steps("the overview")
             return
+        errors = d["errors"]
+        st.subheader("Collector errors")
+        if not len(errors):
+            st.success("The collector counted no error in this run.", icon=":material/check_circle:")
+        else:
+            st.error(f"{int(errors['count'].sum())} collector error(s), {len(errors)} distinct, latest "
+                     "first: each message says what it did to its step", icon=":material/error:")
+            st.dataframe(errors[["count", "last_step", "where", "kind", "message"]], hide_index=True,
+                         width="stretch")
         events, firing = d["events"], d["firing"]
         if not len(events):
             layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")

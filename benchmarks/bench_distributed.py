@@ -66,7 +66,7 @@ def worker(rank: int, port: int, sizes: list[int], steps: int) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    from mismatch_monitor.collectors.distributed import DistributedReducer
+    from mismatch_monitor.collectors.distributed import DistributedReducer, Shard
     from mismatch_monitor.engine import compute_stats
     from mismatch_monitor.exemplars import tail_exemplars
 
@@ -80,7 +80,7 @@ def worker(rank: int, port: int, sizes: list[int], steps: int) -> None:
         batch = make_batch(n, seed=rank)
         engine, stats = timed(lambda: compute_stats(batch), steps)
         ex_time, ex = timed(lambda: tail_exemplars(batch, 16), steps)
-        payload = (stats.tables, tuple(stats.dims), ex)
+        payload = Shard(None, stats.tables, tuple(stats.dims), ex, rank)
         parts = [None] * WORLD if rank == 0 else None
         c_time, _ = timed(lambda: dist.gather_object(payload, parts, dst=0), steps)
         m_time = statistics.median(_merge_time(parts) for _ in range(steps)) if rank == 0 else 0.0

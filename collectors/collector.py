@@ -7,23 +7,28 @@
 
 Alerts are evaluated in-process with the project's rules (``mismatch_monitor.alerts``) unless
 ``alert_evaluator=None``; their events land in the run's ``alerts`` table.
-By default the collector never raises into training: an error is logged once per kind (with
-the full message), counted, and recorded in the step index; ``strict=True`` raises it instead.
-Callbacks (``on_alert``, ``on_resync``) that fail are logged and never break training either.
+By default the collector never raises into training over bad *data*: such an error is logged
+once per message, counted, and kept with its text in the run's ``errors`` table (``errors.py``);
+``strict=True`` raises it instead. A mistake in the call itself (a misspelt field, a list where a
+tensor belongs) raises at once in every mode (``checks.py``). Callbacks (``on_alert``,
+``on_resync``) that fail are logged and never break training either.
+
+In a process started as one of several (``torch.distributed`` initialised with a world size
+above 1, or a launcher's ``WORLD_SIZE``), ``reducer="auto"`` (the default) reduces every step to
+rank 0, which alone writes the run: the ranks never write one run directory each.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
 import weakref
 from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
 
-import numpy as np
 import pandas as pd
+import torch
 
 from .. import query
 from ..alerts import AlertEvaluator
@@ -32,8 +37,13 @@ from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import select_exemplars
 from ..metrics import GroupMetrics, report_by_label
+from ..report_keys import flatten_report
 from ..store import RunWriter
-from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS
+from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, close_and_log
+from .checks import (FIELDS, as_token_batch, check_call, checked_step, probabilities_error,  # noqa: F401
+                     probability_sides)
+from .distributed import DistributedReducer, distributed_world, launched_world
+from .errors import ErrorLog
 
 log = logging.getLogger("mismatch_monitor")
 
@@ -43,8 +53,8 @@ class Reducer(Protocol):
 
     is_writer: bool
 
-    def __call__(self, stats: MismatchStats, exemplars: dict[str, pd.DataFrame]
-                 ) -> tuple[MismatchStats, dict[str, pd.DataFrame]]: ...
+    def __call__(self, stats: MismatchStats, exemplars: dict[str, pd.DataFrame], *, step: int | None,
+                 error: BaseException | None) -> tuple[MismatchStats, dict[str, pd.DataFrame]]: ...
 
 
 class Evaluator(Protocol):
@@ -61,21 +71,6 @@ class Exporter(Protocol):
     def count_resync(self, pool: str | None) -> None: ...
 
 
-def as_token_batch(batch: TokenBatch | None, fields: Mapping[str, Any]) -> TokenBatch:
-    """A TokenBatch from either a batch or tensor fields (padded with ``response_mask``, else flat)."""
-    if batch is not None:
-        if fields:
-            raise TypeError(f"pass either a TokenBatch or tensor fields, not both (got {sorted(fields)})")
-        if not isinstance(batch, TokenBatch):
-            raise TypeError(f"expected a TokenBatch, got {type(batch).__name__}")
-        return batch
-    if "response_mask" in fields:
-        return TokenBatch.from_padded(**fields)
-    if "trainer_logprobs" in fields:
-        return TokenBatch.from_flat(**fields)
-    raise TypeError("log_step needs a TokenBatch or trainer_logprobs/sampler_logprobs fields")
-
-
 def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
     """The project's alert rules; a restarted run first replays its stored history, so an alert
     that was firing stays firing (and does not ask for a second resync)."""
@@ -87,22 +82,6 @@ def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
     fleet = query.metric_series(con, run_dir)
     evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet, steps=steps)
     return evaluator
-
-
-def flatten_report(fleet: GroupMetrics, by_pool: GroupMetrics) -> dict[str, float]:
-    """``mismatch/k3_kl`` for the whole step, ``mismatch/pool=fp8/k3_kl`` per pool; nulls omitted."""
-    out: dict[str, float] = {}
-    keys = list(fleet.values)
-    if len(fleet):
-        values = np.array([fleet.values[k][0] for k in keys]).tolist()
-        out.update((k, v) for k, v in zip(keys, values) if not math.isnan(v))
-    if len(by_pool):
-        table = np.column_stack([by_pool.values[k] for k in keys]).tolist()   # [pools, metrics]
-        short = [k[len("mismatch/"):] for k in keys]
-        for pool, row in zip(by_pool.labels, table):                          # one row per pool
-            prefix = f"mismatch/pool={'unknown' if pool is None else pool}/"
-            out.update((prefix + k, v) for k, v in zip(short, row) if not math.isnan(v))
-    return out
 
 
 class MismatchCollector:
@@ -119,7 +98,7 @@ class MismatchCollector:
         exemplars_k: int = 16,
         alert_evaluator: Evaluator | Literal["default"] | None = "default",
         exporter: Exporter | None = None,
-        reducer: Reducer | None = None,
+        reducer: Reducer | Literal["auto"] | None = "auto",
         workers: int = 1,
         metadata: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
@@ -133,26 +112,57 @@ class MismatchCollector:
         self.exemplars_k = exemplars_k
         self.alert_evaluator = None if alert_evaluator == "default" else alert_evaluator
         self.exporter = exporter
-        self.reducer = reducer
+        self.reducer: Reducer | Literal["auto"] | None = reducer
         self.workers = workers
         self._clock = clock
         self._alert_callbacks: list[Callable[[Any], None]] = []
         self._resync_callbacks: list[Callable[[Any], None]] = []
-        self._seen_errors: set[str] = set()
-        self.error_count = 0
-        self.errors_by_kind: dict[str, int] = {}
-        self.last_error: str | None = None
+        self.errors = ErrorLog()
         self.pools = {k: dict(v) for k, v in (pools or {}).items()}
         self.writer: RunWriter | None = None
-        if reducer is None or reducer.is_writer:
-            self.writer = RunWriter(run_dir, config=self.config, run_id=run_id, pools=pools,
+        self._finalizer: weakref.finalize | None = None
+        self._run_dir = run_dir
+        self._writer_options = dict(config=self.config, run_id=run_id, pools=pools,
                                     flush_every_steps=flush_every_steps,
-                                    flush_every_seconds=flush_every_seconds, clock=clock,
-                                    metadata=metadata)
-            if alert_evaluator == "default":
+                                    flush_every_seconds=flush_every_seconds, clock=clock, metadata=metadata)
+        self._default_alerts = alert_evaluator == "default"
+        # a launcher started several processes but the group is not up yet (accelerate brings it
+        # up with the trainer's arguments): decide who writes once it is, at the first step
+        if not (reducer == "auto" and distributed_world() == 1 and launched_world() > 1):
+            self.resolve_reducer()
+
+    def resolve_reducer(self) -> None:
+        """Pick the reducer (``"auto"``: rank 0 writes when the process group has more than one
+        rank) and open the run store on the writer rank; nothing happens when already done."""
+        if self._writer_options is None:
+            return
+        if self.reducer == "auto":
+            world, launched = distributed_world(), launched_world()
+            if world == 1 and launched > 1:
+                raise RuntimeError(
+                    f"WORLD_SIZE={launched} says this is one of {launched} processes, but torch.distributed "
+                    "is not initialised: initialise it (dist.init_process_group, or build the trainer) before "
+                    "the first log_step, or pass reducer=None to let each process write its own run directory")
+            self.reducer = DistributedReducer(exemplars_k=self.exemplars_k) if world > 1 else None
+        options, self._writer_options = self._writer_options, None
+        if self.reducer is None or self.reducer.is_writer:
+            self.writer = RunWriter(self._run_dir, **options)
+            if self._default_alerts:
                 self.alert_evaluator = _default_evaluator(self.writer.run_dir)
             # flush what is buffered if the process exits without close() (finalize runs at exit)
-            self._finalizer = weakref.finalize(self, RunWriter.close, self.writer)
+            self._finalizer = weakref.finalize(self, close_and_log, self.writer)
+
+    @property
+    def error_count(self) -> int:
+        return self.errors.count
+
+    @property
+    def errors_by_kind(self) -> dict[str, int]:
+        return self.errors.by_kind
+
+    @property
+    def last_error(self) -> str | None:
+        return self.errors.last
 
     # ------------------------------------------------------------------ callbacks
     def on_alert(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -166,17 +176,48 @@ class MismatchCollector:
         return fn
 
     # ------------------------------------------------------------------ logging a step
-    def log_step(self, step: int, batch: TokenBatch | None = None, **fields: Any) -> dict[str, float]:
+    def log_step(
+        self,
+        step: int,
+        batch: TokenBatch | None = None,
+        *,
+        trainer_logprobs: torch.Tensor | None = None,
+        sampler_logprobs: torch.Tensor | None = None,
+        response_mask: torch.Tensor | None = None,
+        seq_offsets: torch.Tensor | Sequence[int] | None = None,
+        seq_ids: torch.Tensor | None = None,
+        num_sequences: int | None = None,
+        labels: Mapping[str, Sequence[str | None]] | None = None,
+        turn_index: torch.Tensor | None = None,
+        policy_version: torch.Tensor | Sequence[int] | None = None,
+        trainer_version: int | None = None,
+        advantages: torch.Tensor | Sequence[float] | None = None,
+        trainer_experts: torch.Tensor | None = None,
+        sampler_experts: torch.Tensor | None = None,
+        in_trainer_support: torch.Tensor | None = None,
+        sampler_kept_logmass: torch.Tensor | None = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """Compute, store and export one step; returns a flat report for ``wandb.log``.
 
-        With a reducer, every rank joins the reduction even when its own batch was rejected
-        (it contributes nothing), so one bad batch never leaves the other ranks waiting.
+        Either a :class:`TokenBatch` or the fields of ``TokenBatch.from_padded`` (with
+        ``response_mask``) / ``from_flat`` (with ``seq_offsets`` or ``seq_ids``). With a reducer,
+        every rank joins the reduction even when its own batch was rejected (it contributes
+        nothing), so one bad batch never leaves the other ranks waiting.
         """
+        # the keyword parameters above, by name (locals() holds exactly the arguments here)
+        fields = {name: value for name, value in locals().items() if name in FIELDS and value is not None}
+        check_call(step, batch, fields)               # a mistake in the call raises, in every mode
+        self.resolve_reducer()
         wall = self._clock()
+        index: int | None = None
         local_error: Exception | None = None
+        warnings: list[Exception] = []
         try:
+            index = checked_step(step)
             batch = self._as_batch(batch, fields)
             stats, per_sequence = compute_stats_with_sequences(batch, self.config, workers=self.workers)
+            warnings = self._data_warnings(batch, stats)
             selected = select_exemplars(batch, self.exemplars_k, self.config, per_sequence)
             # the writer builds the exemplar tables when it flushes; a reducer gathers tables now
             exemplars = selected.frames() if self.reducer is not None else selected
@@ -187,34 +228,58 @@ class MismatchCollector:
             stats, exemplars = MismatchStats.empty(), {}
         try:
             if self.reducer is not None:
-                stats, exemplars = self.reducer(stats, exemplars)
+                stats, exemplars = self.reducer(stats, exemplars, step=index, error=local_error)
+                self._note_rejections(wall)
             if local_error is not None:
                 if self.strict:
                     raise local_error
-                self._note(f"step {step} was not recorded" if self.reducer is None
-                           else f"step {step}: this rank's batch was left out", local_error)
-                if self.reducer is None:
-                    self._append_empty(step, wall)
+                what = "a step was not recorded" if index is None else (
+                    f"step {index} was not recorded" if self.reducer is None
+                    else f"step {index}: this rank's batch was left out")
+                self._note(what, local_error, index, wall)
+                if self.reducer is None or index is None:
+                    self._append_empty(index, wall)
                     return {"mismatch/collector_errors": float(self.error_count)}
+            for warning in warnings:                  # data problems of a step that is recorded
+                if self.strict:
+                    raise warning
+                self._note(f"step {index}", warning, index, wall)
             by_pool, fleet = report_by_label(stats, "pool", self.config)
             if self.writer is not None:
-                events = self._evaluate_alerts(step, wall, by_pool, fleet)
+                events = self._evaluate_alerts(index, wall, by_pool, fleet)
                 self.writer.append_alerts([e.to_row() for e in events])
-                self.writer.append_step(step, stats, exemplars, wall_time=wall,
+                self.writer.append_step(index, stats, exemplars, wall_time=wall,
                                         collector_errors=self.error_count)
                 self._check_store()
                 if self.exporter is not None:
-                    self.exporter.observe(step, stats)
-                self._dispatch(events)
-            out = flatten_report(fleet, by_pool)
+                    self.exporter.observe(index, stats)
+                self._dispatch(events, index)
+            out = flatten_report(fleet, by_pool, stats, config=self.config)
             out["mismatch/collector_errors"] = float(self.error_count)
             return out
         except Exception as exc:
             if self.strict:
                 raise
-            self._note(f"step {step} was not recorded", exc)
-            self._append_empty(step, wall)
+            self._note(f"step {index} was not recorded", exc, index, wall)
+            self._append_empty(index, wall)
             return {"mismatch/collector_errors": float(self.error_count)}
+
+    def _data_warnings(self, batch: TokenBatch, stats: MismatchStats) -> list[Exception]:
+        """Problems of a batch whose step is still recorded: probabilities given as log-probs
+        (looked for only when the engine set positive log-probs aside, so it costs nothing else)."""
+        positive = stats.tables["tokens"]
+        if not len(positive) or not int(stats.column("tokens", "n_positive_logprob").sum()):
+            return []
+        sides = probability_sides(batch)
+        return [probabilities_error(sides, batch.num_tokens)] if sides else []
+
+    def _note_rejections(self, wall: float) -> None:
+        """Count and record the shards of other ranks the writer left out of this step."""
+        take = getattr(self.reducer, "take_rejections", None)
+        for r in take() if take is not None else []:
+            row = self.errors.add(f"rank {r.rank}: step {r.step}: this rank's batch was left out",
+                                  r.kind, r.message, step=r.step, wall_time=wall)
+            self._store_errors([row])
 
     def _as_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
         return self._with_pool_labels(as_token_batch(batch, fields))
@@ -238,23 +303,23 @@ class MismatchCollector:
             return []
         return list(self.alert_evaluator.observe(step, wall, by_pool, fleet=fleet))
 
-    def _dispatch(self, events: Sequence[Any]) -> None:
+    def _dispatch(self, events: Sequence[Any], step: int) -> None:
         for event in events:
             for fn in self._alert_callbacks:
-                self._call(fn, event, "on_alert")
+                self._call(fn, event, "on_alert", step)
             if getattr(event, "resync", False) and getattr(event, "state", None) == "firing":
                 if self.exporter is not None:
-                    self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter")
+                    self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter", step)
                 for fn in self._resync_callbacks:
-                    self._call(fn, event, "on_resync")
+                    self._call(fn, event, "on_resync", step)
 
-    def _call(self, fn: Callable[[Any], None], event: Any, where: str) -> None:
+    def _call(self, fn: Callable[[Any], None], event: Any, where: str, step: int) -> None:
         try:
             fn(event)
         except Exception as exc:
             if self.strict:
                 raise
-            self._note(f"{where} callback failed", exc)
+            self._note(f"{where} callback failed", exc, step, self._clock())
 
     def _check_store(self) -> None:
         """Report what went wrong in the writer's flushes (a failed write's steps stay buffered
@@ -263,37 +328,41 @@ class MismatchCollector:
         if errors and self.strict:
             raise errors[0]
         for error in errors:
-            self._note("the run store", error)
+            self._note("the run store", error, None, self._clock())
 
-    def _append_empty(self, step: int, wall: float) -> None:
-        """Record a step without statistics, so the index shows the error count at that step."""
-        if self.writer is not None and not self.writer.closed:
+    def _append_empty(self, step: int | None, wall: float) -> None:
+        """Record a step without statistics, so the index shows the error count at that step
+        (a step that cannot be stored leaves only its error row)."""
+        if step is not None and self.writer is not None and not self.writer.closed:
             try:
                 self.writer.append_step(step, None, wall_time=wall, collector_errors=self.error_count)
             except Exception as inner:  # the store itself failed: say so once, keep training
-                self._note("the run store failed", inner)
+                self._note("the run store failed", inner, step, wall)
 
-    def _note(self, what: str, exc: BaseException) -> None:
-        kind = f"{type(exc).__name__}: {exc}"
-        self.error_count += 1
-        self.errors_by_kind[type(exc).__name__] = self.errors_by_kind.get(type(exc).__name__, 0) + 1
-        self.last_error = f"{what}: {kind}"
-        if kind not in self._seen_errors:
-            self._seen_errors.add(kind)
-            log.error("mismatch-monitor: %s: %s (logged once; %d error(s) so far; pass strict=True "
-                      "to raise)", what, kind, self.error_count)
+    def _note(self, what: str, exc: BaseException, step: int | None, wall: float) -> None:
+        """Count, log (once per message) and store one error."""
+        self._store_errors([self.errors.note(what, exc, step=step, wall_time=wall)])
+
+    def _store_errors(self, rows: list[dict[str, Any]]) -> None:
+        # only the writer rank stores; another rank's errors reach it with its shard
+        if self.writer is not None and not self.writer.closed:
+            try:
+                self.writer.append_errors(rows)
+            except Exception:  # noqa: BLE001 - the count and the log line already hold it
+                log.exception("mismatch-monitor: could not keep a collector error in the run")
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Write every buffered step now (synchronously)."""
         if self.writer is not None:
-            self.writer.flush()
+            self.writer.flush(raise_errors=self.strict)   # a full disk is counted, not raised
             self._check_store()
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
-            self._finalizer.detach()
+            self.writer.close(raise_errors=self.strict)   # never raises by default
+            if self._finalizer is not None:
+                self._finalizer.detach()
             self._check_store()
 
     def __enter__(self) -> "MismatchCollector":

@@ -17,6 +17,12 @@ sums equal them up to summation order, a relative difference of at most about
 ``(ranks + 1) * 2**-53`` times the sum of absolute values. Quantiles read from the merged
 histograms are therefore exact reproductions of the single-process ones.
 
+Every shard carries its step and, when the rank's batch was rejected, that error's class and
+text. The writer merges only shards of its own step: a rank that skipped a ``log_step`` (its
+shard is of another step) is refused loudly, never merged into the wrong step, and every shard
+left out (refused here, or rejected on its own rank) is returned by :meth:`take_rejections` for
+the collector to count and to record in the run's ``errors`` table.
+
 Exemplars are the global top K (largest |lr| tokens, largest max |lr| sequences). Their
 ``seq_index`` is the sequence's index within the batch of the rank in their ``rank`` column.
 
@@ -27,7 +33,8 @@ row per non-empty slice cell), so this costs one small collective per step; see
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch.distributed as dist
@@ -36,6 +43,39 @@ from mismatch_monitor.engine import MismatchStats, merge
 from mismatch_monitor.exemplars import merge_exemplars
 
 Exemplars = dict[str, pd.DataFrame]
+
+
+class Shard(NamedTuple):
+    """What one rank sends for one step."""
+
+    step: int | None
+    tables: dict[str, pd.DataFrame]
+    dims: tuple[str, ...]
+    exemplars: Exemplars
+    rank: int
+    error: tuple[str, str] | None = None     # (exception class, message) of a rejected batch
+
+
+class Rejection(NamedTuple):
+    """A shard left out of the writer's step, and why."""
+
+    rank: int
+    step: int | None
+    kind: str
+    message: str
+
+
+def distributed_world() -> int:
+    """The world size of the initialised default process group; 1 without one."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def launched_world() -> int:
+    """How many processes a launcher (torchrun, accelerate, ...) says it started (``WORLD_SIZE``)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 class DistributedReducer:
@@ -68,16 +108,21 @@ class DistributedReducer:
         self.all_ranks = all_ranks
         self.rank = dist.get_rank()
         self.world_size = world
+        self._rejections: list[Rejection] = []
 
     @property
     def is_writer(self) -> bool:
         """True on the one rank that merges, writes the run store and should serve /metrics."""
         return self.rank == self.dst
 
-    def __call__(self, stats: MismatchStats, exemplars: Exemplars) -> tuple[MismatchStats, Exemplars]:
+    def __call__(self, stats: MismatchStats, exemplars: Exemplars, *, step: int | None = None,
+                 error: BaseException | None = None) -> tuple[MismatchStats, Exemplars]:
+        """Merge this step's shards (``error``: why this rank's own batch was rejected; it then
+        sends empty statistics so that no rank waits)."""
         # an exemplar's seq_index counts within its own rank's batch: keep the rank beside it
         exemplars = {name: df.assign(rank=self.rank) for name, df in exemplars.items()}
-        payload = (stats.tables, tuple(stats.dims), exemplars)
+        payload = Shard(step, stats.tables, tuple(stats.dims), exemplars, self.rank,
+                        None if error is None else (type(error).__name__, str(error)))
         if self.all_ranks:
             parts: list[Any] = [None] * self.world_size
             dist.all_gather_object(parts, payload, group=self.group)
@@ -86,11 +131,32 @@ class DistributedReducer:
             dist.gather_object(payload, parts, dst=self.dst, group=self.group)
             if not self.is_writer:
                 return stats, exemplars
-        return merge_parts(parts, self.exemplars_k)
+        merged, exemplars, rejected = merge_parts(parts, self.exemplars_k, step=step)
+        if self.is_writer:
+            self._rejections.extend(r for r in rejected if r.rank != self.rank)   # its own is noted
+        return merged, exemplars
+
+    def take_rejections(self) -> list[Rejection]:
+        """Shards of other ranks left out of the steps merged since the last call (writer only)."""
+        out, self._rejections = self._rejections, []
+        return out
 
 
-def merge_parts(parts: list[tuple[dict[str, pd.DataFrame], tuple[str, ...], Exemplars]],
-                exemplars_k: int) -> tuple[MismatchStats, Exemplars]:
-    """Merge gathered ``(tables, dims, exemplars)`` payloads: statistics exactly, exemplars top K."""
-    stats = merge(MismatchStats(tables, dims) for tables, dims, _ in parts)
-    return stats, merge_exemplars([ex for _, _, ex in parts], exemplars_k)
+def merge_parts(parts: list[Shard], exemplars_k: int, *, step: int | None = None
+                ) -> tuple[MismatchStats, Exemplars, list[Rejection]]:
+    """Merge the gathered shards of ``step``: statistics exactly, exemplars top K. A shard of
+    another step is refused (a rank skipped a ``log_step``); one whose batch was rejected on its
+    rank adds nothing. Both are returned as rejections, with their reason."""
+    kept, rejected = [], []
+    for part in parts:
+        if part.step != step:
+            rejected.append(Rejection(part.rank, part.step, "StepMismatch",
+                                      f"rank {part.rank} sent step {part.step} while the writer merges step "
+                                      f"{step}: a rank skipped or repeated a log_step; its shard was not "
+                                      "merged into this step"))
+        elif part.error is not None:
+            rejected.append(Rejection(part.rank, part.step, *part.error))
+        else:
+            kept.append(part)
+    stats = merge([MismatchStats(p.tables, p.dims) for p in kept]) if kept else MismatchStats.empty()
+    return stats, merge_exemplars([p.exemplars for p in kept], exemplars_k), rejected

@@ -16,6 +16,7 @@ micro-batches' statistics, because sequences are never split across micro-batche
 
 Bad input follows the collector's policy: a micro-batch that cannot be read is passed on to the
 collector, which records the failed step with the real error (and raises only in strict mode).
+A mistake in the call (an unknown field, a list where a tensor belongs) raises at ``add``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from mismatch_monitor.batch import BatchError, TokenBatch
-from .collector import as_token_batch
+from .checks import as_token_batch, check_fields
 
 log = logging.getLogger("mismatch_monitor")
 
@@ -126,9 +127,10 @@ class StepHook:
 
     def add(self, batch: TokenBatch | None = None, **fields: Any) -> None:
         """Add one micro-batch (a TokenBatch, or the fields ``TokenBatch.from_padded/from_flat`` take)."""
+        check_fields(fields)               # a misspelt field raises here, in every mode
         try:
             self._pending.append(as_token_batch(batch, fields))
-        except (BatchError, TypeError):
+        except BatchError:
             if self.strict:
                 raise
             if self._rejected is None:   # the collector reports the first bad micro-batch

@@ -32,6 +32,10 @@ import torch
 STANDARD_DIMENSIONS: tuple[str, ...] = ("pool", "hardware", "precision", "engine", "env")
 
 
+# the float fields a user's tensors may fill straight from a forward pass (and so require grad)
+_FLOAT_FIELDS = ("trainer_logprobs", "sampler_logprobs", "advantages", "sampler_kept_logmass")
+
+
 class BatchError(ValueError):
     """A batch that cannot be interpreted; the message says what was expected and what came."""
 
@@ -120,6 +124,14 @@ class TokenBatch:
     seq_offsets: torch.Tensor | None = None
     position_index: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        # log-probs taken from the loss's forward require grad; the monitor only reads them, so
+        # it keeps detached views (no copy) and never holds the autograd graph alive
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                object.__setattr__(self, name, value.detach())
+
     @property
     def position(self) -> torch.Tensor:
         """``[N]`` int64 position of every token within its response."""
@@ -161,6 +173,9 @@ class TokenBatch:
         token_ids: torch.Tensor | None = None,
     ) -> "TokenBatch":
         """Padded ``[B, T]`` tensors; ``response_mask`` selects the response tokens."""
+        # detach before masking: the masked copies would otherwise join the autograd graph
+        trainer_logprobs, sampler_logprobs = _detached(trainer_logprobs), _detached(sampler_logprobs)
+        sampler_kept_logmass = _detached(sampler_kept_logmass)
         _check_float("trainer_logprobs", trainer_logprobs)
         _check_float("sampler_logprobs", sampler_logprobs)
         if trainer_logprobs.dim() != 2:
@@ -376,6 +391,11 @@ class TokenBatch:
                    sampler_experts=sampler_experts, in_trainer_support=in_trainer_support,
                    sampler_kept_logmass=sampler_kept_logmass, token_ids=token_ids,
                    num_sequences=B, **core)
+
+
+def _detached(t: object) -> object:
+    """A tensor that requires grad as a detached view of the same memory; anything else as is."""
+    return t.detach() if isinstance(t, torch.Tensor) and t.requires_grad else t
 
 
 def _same_device(**tensors: torch.Tensor | None) -> None:

@@ -73,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
     status = run_status(info, last_wall)
     print(f"run {info['run_id']} ({status}): {len(idx)} step(s) logged, "
           f"{int(idx['collector_errors'].max()) if len(idx) else 0} collector error(s)")
+    errors = query.error_messages(query.collector_errors(con, args.run_dir))
+    if len(errors):
+        print(f"collector errors: {int(errors['count'].sum())} stored, {len(errors)} distinct (latest first):")
+        for _, e in errors.iterrows():
+            at = "no step" if pd.isna(e["last_step"]) else f"last at step {int(e['last_step'])}"
+            print(f"  {int(e['count'])}x ({at}) {e['where']}: {e['kind']}: {e['message']}")
     if observed.empty:
         print("no observations yet: every metric is null")
         return 0

@@ -14,6 +14,7 @@ from .core import (aggregate, connect, copy_current, forget_files, histogram, la
                    rows, run_config, steps_index, table_files, token_cell_table)
 from .core import _retry  # noqa: F401  (compaction documents the retry it relies on)
 from .rollup import aligned_bins
+from .views import collector_errors, error_messages
 from .views import (ALERT_COLUMNS, aggregate_binned, alert_events, binned_sums, compare_runs, crossing_length,
                     derive_sums, distinct_values, exemplar_steps, firing_alerts, lowprob_series, metric_series_binned,
                     metric_totals, pool_shares, routing_layer_series, step_width)
@@ -24,4 +25,4 @@ __all__ = ["connect", "forget_files", "table_files", "run_config", "steps_index"
            "step_width", "aligned_bins", "aggregate_binned", "binned_sums", "derive_sums", "metric_series_binned",
            "metric_totals", "pool_shares",
            "lowprob_series", "routing_layer_series", "crossing_length", "alert_events", "firing_alerts",
-           "exemplar_steps", "compare_runs", "distinct_values"]
+           "exemplar_steps", "compare_runs", "distinct_values", "collector_errors", "error_messages"]

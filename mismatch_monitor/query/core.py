@@ -26,7 +26,7 @@ from ..config import MetricConfig
 from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
 from ..store.runinfo import read_run_info
-from ..store.schema import STEPS_TABLE
+from ..store.schema import ERRORS_TABLE, STEPS_TABLE
 
 T = TypeVar("T")
 RunDir = str | Path
@@ -320,6 +320,9 @@ def copy_current(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, fi
     """The current rows of ``table`` among ``files`` (as resolved by ``step_files``), all columns."""
     if table == STEPS_TABLE:
         sql = f"SELECT * FROM read_parquet($files, union_by_name=true) {CURRENT} ORDER BY step"
+        return con.execute(sql, {"files": files}).df()
+    if table == ERRORS_TABLE:   # a log, not per-step state: every row of a committed file is kept
+        sql = "SELECT * FROM read_parquet($files, union_by_name=true) ORDER BY write_id, wall_time"
         return con.execute(sql, {"files": files}).df()
     sql = (f"WITH {_index_cte()} SELECT t.* FROM read_parquet($files, union_by_name=true) t "
            "SEMI JOIN idx USING (step, file_id) ORDER BY t.step")

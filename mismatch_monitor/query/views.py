@@ -20,7 +20,7 @@ import pyarrow as pa
 from ..config import MetricConfig
 from ..engine.fields import TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
-from ..store.schema import STEPS_TABLE, file_id_of
+from ..store.schema import ERROR_COLUMNS, ERRORS_TABLE, STEPS_TABLE, file_id_of
 from . import rollup
 from .core import (RunDir, StepRange, _check_keys, _columns, _index_cte, _label_filter, _memo, _merged_columns,
                    _retry, _step_filter,
@@ -340,6 +340,40 @@ def alert_events(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: Step
         if col not in df.columns:
             df[col] = pd.NA
     return df.sort_values(["step", "wall_time"], kind="stable").reset_index(drop=True)
+
+
+def collector_errors(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame:
+    """Every error the collector counted, latest first: step (null when it had no valid step),
+    wall_time, where, kind, message. Rows of committed flushes only (the index names the flush's
+    file); a compaction's copy and its originals are read once (per write_id, the latest file)."""
+    out = pd.DataFrame({c: pd.Series([], dtype=t) for c, t in ERROR_COLUMNS.items()})
+    listed = current_files(run_dir, ERRORS_TABLE)
+    ids = [i for i in (file_id_of(f) for f in listed["steps"]) if i is not None]
+    if not listed["files"] or not ids:
+        return out
+    sql = ('SELECT step, wall_time, "where", kind, message FROM ('
+           "SELECT t.*, max(t.file_id) OVER (PARTITION BY t.write_id) AS latest_file "
+           "FROM read_parquet($files, union_by_name=true) t WHERE list_contains($ids, t.file_id)) "
+           "WHERE file_id = latest_file ORDER BY wall_time DESC, step DESC NULLS LAST")
+    df = _retry(lambda: con.execute(sql, {"files": listed["files"], "ids": ids}).df())
+    return df.astype(ERROR_COLUMNS) if len(df) else out
+
+
+def error_messages(errors: pd.DataFrame) -> pd.DataFrame:
+    """The distinct (kind, message) of :func:`collector_errors`, latest first, with how many
+    times each was counted, and where and at which step it was last seen."""
+    if not len(errors):
+        return pd.DataFrame({"count": pd.Series([], dtype="int64"), "where": pd.Series([], dtype="string"),
+                             "kind": pd.Series([], dtype="string"), "message": pd.Series([], dtype="string"),
+                             "last_step": pd.Series([], dtype="Int64"),
+                             "last_wall_time": pd.Series([], dtype="float64")})
+    keys = ["kind", "message"]
+    grouped = errors.groupby(keys, dropna=False, sort=False)
+    out = grouped.agg(count=("kind", "size"), last_wall_time=("wall_time", "max")).reset_index()
+    latest = errors.sort_values("wall_time", kind="stable").groupby(keys, dropna=False, sort=False).tail(1)
+    out = out.merge(latest[keys + ["where", "step"]].rename(columns={"step": "last_step"}), on=keys, how="left")
+    out = out.sort_values("last_wall_time", ascending=False, kind="stable").reset_index(drop=True)
+    return out[["count", "where", "kind", "message", "last_step", "last_wall_time"]]
 
 
 def firing_alerts(events: pd.DataFrame) -> pd.DataFrame:

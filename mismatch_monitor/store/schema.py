@@ -25,9 +25,18 @@ TABLE_KEY = b"mismatch_monitor.table"
 STAT_TABLES: tuple[str, ...] = tuple(TABLES)
 EXEMPLAR_TABLE_NAMES: tuple[str, ...] = ("exemplar_tokens", "exemplar_sequences")
 ALERTS_TABLE = "alerts"
+# one row per counted collector error, with its text: step (null when the error has no valid
+# step), wall_time, where (what failed), kind (the exception class), message
+ERRORS_TABLE = "errors"
+ERROR_COLUMNS: dict[str, str] = {"step": "Int64", "wall_time": "float64", "where": "string",
+                                 "kind": "string", "message": "string"}
 STEPS_TABLE = "steps"
+# the steps index's columns, for a flush that carries only error rows (an empty index file)
+STEP_INDEX_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "n_tokens": "int64",
+                                      "n_sequences": "int64", "n_cells": "int64",
+                                      "collector_errors": "int64"}
 # data tables, in write order; the steps index is written after all of them
-DATA_TABLES: tuple[str, ...] = STAT_TABLES + EXEMPLAR_TABLE_NAMES + (ALERTS_TABLE,)
+DATA_TABLES: tuple[str, ...] = STAT_TABLES + EXEMPLAR_TABLE_NAMES + (ALERTS_TABLE, ERRORS_TABLE)
 ALL_TABLES: tuple[str, ...] = DATA_TABLES + (STEPS_TABLE,)
 
 STEP_COLUMNS = ("step", "write_id", "file_id")

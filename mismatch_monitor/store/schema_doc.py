@@ -78,6 +78,14 @@ One row per alert state change (`firing` or `resolved`) written by the in-proces
 `step`, `wall_time`, `alert`, `severity`, `pool`, `state`, `value`, `threshold`, `summary`,
 `description`, `runbook`, `resync`.
 
+## `errors`
+
+One row per error the collector counted, with its text (the count alone says nothing about
+why): `step` (null when the error has no valid step), `wall_time`, `where` (what failed),
+`kind` (the exception class), `message`. Rows of a flush are read once its index file exists
+(a flush that carries only errors writes an empty one); `mismatch-monitor summary` and the
+dashboard's Overview show them.
+
 ## `steps`
 
 `step`, `wall_time` (seconds since the epoch), `n_tokens`, `n_sequences`, `n_cells`,

@@ -34,7 +34,8 @@ from ..config import MetricConfig
 from ..engine.stats import MismatchStats
 from .atomic import write_json_atomic, write_parquet_atomic
 from .runinfo import RUN_FILE, read_run_info
-from .schema import DATA_TABLES, SCHEMA_VERSION, STEPS_TABLE, file_name, stamp, to_arrow
+from .schema import (DATA_TABLES, ERROR_COLUMNS, ERRORS_TABLE, SCHEMA_VERSION, STEP_INDEX_COLUMNS, STEPS_TABLE,
+                     file_name, stamp, to_arrow)
 
 
 # 100 steps amortise the per-file cost of a flush (one file per table, fsynced) when steps are
@@ -138,6 +139,8 @@ class _Pending:
 
     def step_range(self) -> str:
         steps = [row["step"] for row in self.steps]
+        if not steps:
+            return "collector errors (no step)"
         return f"step {steps[0]}" if len(steps) == 1 else f"steps {min(steps)}-{max(steps)}"
 
 
@@ -258,6 +261,14 @@ class RunWriter:
             with self._lock:
                 self._pending.buffer["alerts"].append((None, None, pd.DataFrame([dict(r) for r in rows])))
 
+    def append_errors(self, rows: list[Mapping[str, Any]]) -> None:
+        """Buffer collector errors (``ERROR_COLUMNS``; ``step`` may be None). They are written with
+        the next flush, also one with no step to write (its index file is then empty)."""
+        if rows:
+            df = pd.DataFrame([{c: r.get(c) for c in ERROR_COLUMNS} for r in rows]).astype(ERROR_COLUMNS)
+            with self._lock:
+                self._pending.buffer[ERRORS_TABLE].append((None, None, df))
+
     def _due(self) -> bool:
         return (len(self._pending.steps) >= self._flush_every_steps
                 or self._clock() - self._last_flush >= self._flush_every_seconds)
@@ -334,7 +345,7 @@ class RunWriter:
         pending.errors.clear()
 
     def _take(self) -> _Pending | None:
-        if not self._pending.steps:
+        if not self._pending.steps and not self._pending.buffer[ERRORS_TABLE]:
             return None
         pending, self._pending = self._pending, _Pending()
         return pending
@@ -373,7 +384,9 @@ class RunWriter:
                 continue
             df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
             self._write(table, df, write_id)
-        self._write(STEPS_TABLE, pd.DataFrame(steps), write_id)   # last: makes the steps visible
+        index = pd.DataFrame(steps) if steps else pd.DataFrame(
+            {c: pd.Series([], dtype=t) for c, t in STEP_INDEX_COLUMNS.items()})   # errors only
+        self._write(STEPS_TABLE, index, write_id)   # last: makes the steps visible
         return len(steps)
 
     def _write(self, table: str, df: pd.DataFrame, write_id: int) -> None:
