@@ -37,6 +37,7 @@ from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import select_exemplars
 from ..metrics import GroupMetrics, report_by_label
+from ..label_limits import LabelLimit
 from ..report_keys import flatten_report
 from ..store import RunWriter
 from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, close_and_log
@@ -98,6 +99,7 @@ class MismatchCollector:
         exemplars_k: int = 16,
         alert_evaluator: Evaluator | Literal["default"] | None = "default",
         exporter: Exporter | None = None,
+        label_limit: LabelLimit | None = None,
         reducer: Reducer | Literal["auto"] | None = "auto",
         workers: int = 1,
         metadata: Mapping[str, Any] | None = None,
@@ -112,6 +114,7 @@ class MismatchCollector:
         self.exemplars_k = exemplars_k
         self.alert_evaluator = None if alert_evaluator == "default" else alert_evaluator
         self.exporter = exporter
+        self.label_limit = label_limit or LabelLimit()   # pools shown one by one in the report
         self.reducer: Reducer | Literal["auto"] | None = reducer
         self.workers = workers
         self._clock = clock
@@ -254,7 +257,7 @@ class MismatchCollector:
                 if self.exporter is not None:
                     self.exporter.observe(index, stats)
                 self._dispatch(events, index)
-            out = flatten_report(fleet, by_pool, stats, config=self.config)
+            out = flatten_report(fleet, by_pool, stats, config=self.config, limit=self.label_limit)
             out["mismatch/collector_errors"] = float(self.error_count)
             return out
         except Exception as exc:

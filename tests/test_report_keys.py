@@ -137,3 +137,15 @@ def test_alert_events_name_a_null_pool_apart_from_a_pool_called_unknown():
                      for_steps=0, severity="warning", summary="{pool}", description="d", runbook="r", fix="resync")
     events = AlertEvaluator((rule,)).observe(0, 0.0, by_pool, fleet=fleet)
     assert sorted(e.pool for e in events) == sorted(label_text(p) for p in pools)
+
+
+def test_the_collector_report_takes_its_label_limit(tmp_path):
+    pools = ["a", "b", "c", None]
+    batch, lrs = make_batch(pools, [40, 30, 20, 10])
+    with MismatchCollector(tmp_path / "run", alert_evaluator=None, label_limit=LabelLimit(2)) as mc:
+        with pytest.warns(CardinalityWarning):
+            report = mc.log_step(0, batch)
+    assert {parse_report_key(k)[0] for k in report if k.startswith("mismatch/pool=")} == {"a", "b", OTHER_TEXT}
+    rest = np.concatenate(lrs[2:])
+    assert report[report_key("mismatch/k3_kl", OTHER_TEXT)] == pytest.approx(k3(rest), rel=1e-9)
+    assert report[MERGED_KEY] == 2
