@@ -44,7 +44,14 @@ def runs_root_from(argv: Sequence[str], environ: Mapping[str, str]) -> Path:
 def list_runs(root: Path) -> dict[str, Path]:
     """Run name -> run directory for every run directly under ``root`` (or ``root`` itself)."""
     root = Path(root).resolve()
-    return {(p.name if p != root else root.name): p for p in (q.resolve() for q in find_runs(root))}
+    # resolved before the root check: a link inside the root that points out of it is not listed
+    resolved = (q.resolve() for q in find_runs(root))
+    return {(p.name if p != root else root.name): p for p in resolved if _under(root, p)}
+
+
+def _under(root: Path, path: Path) -> bool:
+    """``path`` (resolved) is ``root`` or lies below it."""
+    return path == root or root in path.parents
 
 
 def resolve_run(root: Path, requested: str) -> Path:
@@ -62,7 +69,7 @@ def resolve_run(root: Path, requested: str) -> Path:
         return named
     candidate = Path(text).expanduser()
     candidate = (candidate if candidate.is_absolute() else root / candidate).resolve()
-    if candidate != root and root not in candidate.parents:
+    if not _under(root, candidate):
         raise RunOutsideRoot(
             f"refused to open {text!r}: it resolves to {candidate}, outside the runs root {root}. "
             f"The dashboard only opens runs under its root; start it with "

@@ -26,6 +26,7 @@ from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.engine.fields import TABLES, merge_rules
 from mismatch_monitor.query import rollup
 from mismatch_monitor.query.views import _rollup_plan
+from mismatch_monitor.store.runlock import RunLock
 from mismatch_monitor.store import compact_run
 from test_app_runs import POOLS, fleet_case
 
@@ -261,7 +262,10 @@ def test_a_compaction_between_listings_loses_no_step(con, tmp_path: Path, monkey
             fired.append(table)
             hidden = last_index.with_suffix(".hidden")    # the last flush commits after the
             last_index.rename(hidden)                     # compaction's snapshot
+            writer = RunLock(path)                        # its writer is live: holds the run
+            writer.acquire()
             compact_run(path)
+            writer.release()
             hidden.rename(last_index)
         return listed(run_dir, table)
 

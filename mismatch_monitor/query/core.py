@@ -12,6 +12,7 @@ known key columns before they reach SQL; every value is bound.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -25,6 +26,7 @@ from ..batch import STANDARD_DIMENSIONS
 from ..config import MetricConfig
 from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
+from ..store import health
 from ..store.runinfo import read_run_info
 from ..store.schema import ERRORS_TABLE, STEPS_TABLE
 
@@ -39,7 +41,10 @@ def connect() -> duckdb.DuckDBPyConnection:
 
 
 def table_files(run_dir: RunDir, table: str) -> list[str]:
-    return sorted(str(p) for p in (Path(run_dir) / table).glob("*.parquet"))
+    """The files of ``table`` that can be served; unreadable or foreign ones are set aside (and
+    logged once: ``store/health.py``), so one bad file does not take the run's other steps."""
+    found = sorted(str(p) for p in (Path(run_dir) / table).glob("*.parquet"))
+    return [f for f in found if health.problem(f, table) is None]
 
 
 def current_files(run_dir: RunDir, table: str) -> dict[str, list[str]]:
@@ -63,15 +68,26 @@ def run_config(run_dir: RunDir) -> MetricConfig:
     return MetricConfig.from_dict(read_run_info(run_dir)["config"])
 
 
+# a path in DuckDB's message about a file it could not read
+_FAILED_FILE = re.compile(r"""['"]([^'"]+\.parquet)['"]""")
+
+
 def _retry(fn: Callable[[], T], attempts: int = 4) -> T:
-    """Re-run a query whose file list went stale (a compaction removed a file meanwhile)."""
+    """Re-run a query whose file list went stale (a compaction removed a file meanwhile), or
+    that failed on a file whose footer parsed but whose data does not (it is set aside)."""
     for i in range(attempts):
         try:
             return fn()
         except (duckdb.IOException, duckdb.InvalidInputException, FileNotFoundError) as exc:
-            if i == attempts - 1 or "No such file" not in str(exc) and "No files found" not in str(exc):
+            text = str(exc)
+            stale = "No such file" in text or "No files found" in text
+            bad = None if stale else _FAILED_FILE.search(text)
+            if i == attempts - 1 or not (stale or bad):
                 raise
-            time.sleep(0.05 * (i + 1))
+            if bad is not None:
+                health.mark_unreadable(bad.group(1), f"a read failed: {text.splitlines()[0]}")
+            else:
+                time.sleep(0.05 * (i + 1))
     raise AssertionError("unreachable")
 
 

@@ -192,9 +192,23 @@ def aligned_bins(first: int, last: int, width: int, max_points: int) -> tuple[in
     span = last - first + 1
     if width < 2 or span < BLOCK * max_points // 4:
         return first, width
-    w = -(-width // BLOCK) * BLOCK
-    while True:
-        origin = first // w * w
-        if (last - origin) // w + 1 <= max_points:
-            return origin, w
-        w += BLOCK
+    if max_points < 2:                   # one aligned bin holds [first, last] only from origin 0
+        return (0, _round_up(max(width, last + 1))) if first >= 0 else (first, max(width, span))
+    # bins from origin = first // w * w: there are last // w - first // w + 1 of them, at most
+    # (last - first) // w + 2, so any w > (last - first) / (max_points - 1) fits (closed form);
+    # none below (last - first) // max_points + 1 does. The smallest fitting multiple of BLOCK is
+    # searched between the two for at most _SCAN candidates (a fixed cost, whatever the range).
+    low = _round_up(max(width, (last - first) // max_points + 1))
+    high = _round_up(max(width, (last - first) // (max_points - 1) + 1))
+    for w in range(low, min(high, low + _SCAN * BLOCK), BLOCK):
+        if last // w - first // w + 1 <= max_points:
+            return first // w * w, w
+    return first // high * high, high
+
+
+_SCAN = 1024
+
+
+def _round_up(steps: int) -> int:
+    """``steps`` rounded up to whole blocks."""
+    return -(-steps // BLOCK) * BLOCK

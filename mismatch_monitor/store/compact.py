@@ -10,7 +10,9 @@ Order of operations, each step safe for a concurrent reader:
 The compacted files get rollups of their own (``query/rollup.py``), written with them in step 1;
 a run with nothing to merge gets the rollups its files lack (one written before rollups existed).
 Only files of flushes committed when compaction started are touched (a file's name carries its
-file_id), so a live writer can keep appending; orphans of a crashed flush are left in place.
+file_id), so a live writer can keep appending. Before merging, ``repair.py`` quarantines files
+readers cannot serve and removes what killed processes left (temporary files; orphans of a
+crashed flush when no writer is live).
 """
 
 from __future__ import annotations
@@ -21,19 +23,28 @@ import pyarrow.parquet as pq
 
 from .atomic import write_parquet_atomic
 from .schema import DATA_TABLES, STEPS_TABLE, file_id_of, file_name, to_arrow
-from .writer import IdSource, write_rollup
+from .ids import IdSource
+from .repair import ORPHANS_REMOVED, QUARANTINED, TMP_REMOVED, repair_run
+from .writer import write_rollup
 
 
 ROLLUPS_ADDED = "rollups_added"
+REPAIRS = (QUARANTINED, TMP_REMOVED, ORPHANS_REMOVED)
 
 
 def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, int]:
     """Compact ``run_dir``; returns the number of files removed per table (and, when there was
-    nothing to merge, under ``ROLLUPS_ADDED`` the rollup files written for files that had none)."""
+    nothing to merge, under ``ROLLUPS_ADDED`` the rollup files written for files that had none),
+    and the counts of :data:`REPAIRS` (``repair.repair_run``)."""
+    run_dir = Path(run_dir)
+    repaired = repair_run(run_dir)
+    return {**_compact(run_dir, ids), **repaired}
+
+
+def _compact(run_dir: Path, ids: IdSource | None) -> dict[str, int]:
     from .. import query  # the SQL lives in the query layer
     from ..query import rollup
 
-    run_dir = Path(run_dir)
     step_files = query.table_files(run_dir, STEPS_TABLE)
     # only files of committed flushes: a flush in progress has data files but no index yet,
     # and its files must survive (its index will point at them)
@@ -45,7 +56,7 @@ def compact_run(run_dir: str | Path, ids: IdSource | None = None) -> dict[str, i
     if len(step_files) <= 1 and all(len(f) <= 1 for f in snapshot.values()):
         added = add_missing_rollups(run_dir, snapshot)
         return {**{t: 0 for t in (*DATA_TABLES, STEPS_TABLE)}, ROLLUPS_ADDED: added}
-    file_id = (ids or IdSource()).next()
+    file_id = (ids or IdSource(run_dir)).next()
     con = query.connect()
     for table, files in snapshot.items():
         if not files:

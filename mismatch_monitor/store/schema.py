@@ -12,6 +12,7 @@ which a flush writes last.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import pandas as pd
 import pyarrow as pa
@@ -40,6 +41,43 @@ DATA_TABLES: tuple[str, ...] = STAT_TABLES + EXEMPLAR_TABLE_NAMES + (ALERTS_TABL
 ALL_TABLES: tuple[str, ...] = DATA_TABLES + (STEPS_TABLE,)
 
 STEP_COLUMNS = ("step", "write_id", "file_id")
+# columns the store and its readers add beside the labels: the step index's, the rollups'
+# (``query/rollup.py``), the writer's temporary append column, the exemplars' rank, the run of
+# a comparison across runs
+ROLLUP_COLUMNS = ("block", "grouping", "step_last")
+BOOKKEEPING_COLUMNS: tuple[str, ...] = (STEP_COLUMNS + ("wall_time",) + ROLLUP_COLUMNS
+                                        + ("_append", "rank", "run"))
+
+
+def reserved_names() -> frozenset[str]:
+    """Every column name a label may not take: the store's own columns, every table's keys
+    and value fields, and the exemplar and error columns. The one list of them."""
+    from ..engine.fields import LENGTH_KEY, TURN_KEY
+    from ..exemplars import empty_exemplars   # lazily: exemplars imports the engine
+
+    names = set(BOOKKEEPING_COLUMNS) | {LENGTH_KEY, TURN_KEY} | set(ERROR_COLUMNS)
+    for extra, fields in TABLES.values():
+        names.update(extra)
+        names.update(f.name for f in fields)
+    for table in EXEMPLAR_TABLE_NAMES:
+        names.update(empty_exemplars(table).columns)
+    from ..batch import STANDARD_DIMENSIONS
+    return frozenset(names - set(STANDARD_DIMENSIONS))
+
+
+_RESERVED: frozenset[str] | None = None
+
+
+def check_labels(names: Iterable[str]) -> None:
+    """Refuse label names that clash with a stored column (they would be overwritten by, or
+    break, the store's own columns): a ValueError naming them."""
+    global _RESERVED
+    if _RESERVED is None:
+        _RESERVED = reserved_names()
+    clash = sorted(set(names) & _RESERVED)
+    if clash:
+        raise ValueError(f"label name(s) {clash} clash with columns the run store keeps for itself; "
+                         f"rename the label(s) (reserved: {sorted(_RESERVED)})")
 
 
 def to_arrow(df: pd.DataFrame, table: str) -> pa.Table:

@@ -24,7 +24,20 @@ RUN_DIR/
   steps/part-<file_id>.parquet      the step index (written last by every flush)
   <table>/part-<file_id>.parquet    one file per flush (or compaction) per table
   rollups/<table>/part-<file_id>.parquet   that file's rows merged per block of steps (below)
+  writer.lock                 held (flock) by the one writer of the run: pid, host, since
+  ids                         the last write/file id handed out (ids follow the run, not the clock)
+  quarantine/<table>/...      files readers could not serve, moved there by `mismatch-monitor compact`
 ```
+
+Ids: each flush takes one more than the largest id the run has used (file names and `ids`),
+so a restart on a host whose clock is behind still wins. A second writer on a run is refused
+with the holder's pid and host; a lock left by a dead process is taken over. Readers set aside
+(and log once) a file that is unreadable, unstamped, or stamped for another table; compaction
+moves such files to `quarantine/` and removes the temporary files of dead processes and, when
+no writer holds the run, orphan files no index names. `run.json` counts `dropped_steps`: steps
+a writer could not keep while the disk refused writes (`RunWriter(max_buffered_steps=...)`).
+Label names that clash with a stored column (`file_id`, `write_id`, `block`, a value field,
+...: `schema.reserved_names()`) are refused.
 
 Every Parquet file carries the key `{SCHEMA_KEY.decode()}` = `{SCHEMA_VERSION}` in its footer
 metadata, and every row the columns `step`, `write_id` (the flush that logged the step) and
@@ -76,7 +89,8 @@ reducer add `rank`: an exemplar's `seq_index` counts within that rank's batch.
 
 One row per alert state change (`firing` or `resolved`) written by the in-process evaluator:
 `step`, `wall_time`, `alert`, `severity`, `pool`, `state`, `value`, `threshold`, `summary`,
-`description`, `runbook`, `resync`.
+`description`, `runbook`, `resync`, `fix` (the remedy the data points at first) and `since_step`
+(the step the alert's condition started to hold).
 
 ## `errors`
 

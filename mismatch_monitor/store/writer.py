@@ -12,6 +12,13 @@ at a time, in order. A flush that fails keeps its steps, which the next flush wr
 error is kept for :meth:`take_errors`. ``flush()`` and ``close()`` write everything before they
 return and raise what fails. A step logged twice before it is written is written once, as
 logged last (a later flush of the same step wins anyway, by its higher ``write_id``).
+
+What a fleet does to a run besides kill -9: a disk that refuses writes (``faults.py``: at most
+``max_buffered_steps`` unwritten steps are kept, the oldest beyond are dropped and counted,
+retries back off, ``close(raise_errors=False)`` never raises); SIGTERM/SIGINT and pauses
+(``signals.py``: flush, then the previous handler; a timer flushes without a step arriving); a
+second writer (``runlock.py``: one writer per run directory); clocks that disagree (``ids.py``:
+flush ids follow the run's largest stored id, not the clock).
 """
 
 from __future__ import annotations
@@ -32,10 +39,14 @@ import pyarrow as pa
 
 from ..config import MetricConfig
 from ..engine.stats import MismatchStats
-from .atomic import write_json_atomic, write_parquet_atomic
+from .atomic import remove_quietly, write_json_atomic, write_parquet_atomic
+from .faults import Backoff, WriteFaults
+from .ids import IdSource
 from .runinfo import RUN_FILE, read_run_info
+from .runlock import RunLock
 from .schema import (DATA_TABLES, ERROR_COLUMNS, ERRORS_TABLE, SCHEMA_VERSION, STEP_INDEX_COLUMNS, STEPS_TABLE,
-                     file_name, stamp, to_arrow)
+                     check_labels, file_name, stamp, to_arrow)
+from .signals import DeferringLock, FlushTimer, SignalFlush
 
 
 # 100 steps amortise the per-file cost of a flush (one file per table, fsynced) when steps are
@@ -43,22 +54,11 @@ from .schema import (DATA_TABLES, ERROR_COLUMNS, ERRORS_TABLE, SCHEMA_VERSION, S
 # loses what is buffered and the flush in flight: up to about two of these intervals.
 FLUSH_EVERY_STEPS = 100
 FLUSH_EVERY_SECONDS = 10.0
+# unwritten steps kept while the disk refuses writes (a small step holds ~100 KB until written)
+MAX_BUFFERED_STEPS = 1000
+SIGNAL_FLUSH_SECONDS = 10.0
 
 log = logging.getLogger(__name__)
-
-
-class IdSource:
-    """Strictly increasing ids from a nanosecond clock (later flushes win, also across restarts)."""
-
-    def __init__(self, clock_ns: Callable[[], int] = time.time_ns) -> None:
-        self._clock_ns = clock_ns
-        self._last = 0
-        self._lock = threading.Lock()
-
-    def next(self) -> int:
-        with self._lock:
-            self._last = max(self._last + 1, self._clock_ns())
-            return self._last
 
 
 # per table: (step or None for rows that carry their own, the append that logged it, frame)
@@ -137,6 +137,22 @@ class _Pending:
         for table, df in frames:
             self.buffer[table].append((None, None, df))
 
+    def drop_oldest(self, n: int) -> list[int]:
+        """Take the ``n`` oldest steps out, with their rows; their step numbers, oldest first.
+        Rows that carry their own step (alerts, errors) stay; built rows of a dropped append
+        are left out at write time (they are not in ``latest``)."""
+        gone = set(self.appends[:n])
+        dropped = [row["step"] for row in self.steps[:n]]
+        del self.steps[:n], self.appends[:n]
+        for table, entries in self.buffer.items():
+            k = 0                     # rows are in append order: the dropped ones lead
+            while k < len(entries) and (entries[k][1] is None or entries[k][1] in gone):
+                k += 1
+            if k:
+                self.buffer[table] = [e for e in entries[:k] if e[1] is None] + entries[k:]
+        self.deferred = [d for d in self.deferred if d[1] not in gone]
+        return dropped
+
     def step_range(self) -> str:
         steps = [row["step"] for row in self.steps]
         if not steps:
@@ -158,7 +174,15 @@ class RunWriter:
         ids: IdSource | None = None,
         metadata: Mapping[str, Any] | None = None,
         background: bool = True,
+        max_buffered_steps: int = MAX_BUFFERED_STEPS,
+        retry: Backoff = Backoff(),
+        handle_signals: bool = True,
+        signal_flush_seconds: float = SIGNAL_FLUSH_SECONDS,
     ) -> None:
+        if max_buffered_steps < 1:
+            raise ValueError(f"expected max_buffered_steps >= 1, got {max_buffered_steps}")
+        if not signal_flush_seconds > 0:
+            raise ValueError(f"expected signal_flush_seconds > 0, got {signal_flush_seconds}")
         if flush_every_steps < 1:
             raise ValueError(f"expected flush_every_steps >= 1, got {flush_every_steps}")
         if not flush_every_seconds > 0:
@@ -166,7 +190,9 @@ class RunWriter:
         self.run_dir = Path(run_dir)
         self.config = config or MetricConfig()
         self._clock = clock
-        self._ids = ids or IdSource()
+        self._ids = ids or IdSource(self.run_dir)
+        self._max_buffered = max_buffered_steps
+        self._faults = WriteFaults(retry)
         self._flush_every_steps = flush_every_steps
         self._flush_every_seconds = flush_every_seconds
         self._pending = _Pending()
@@ -177,9 +203,17 @@ class RunWriter:
         self._appends = 0                         # numbers every append_step
         self._flush_thread: int | None = None     # ident of the background flush thread
         self._last_flush = clock()
-        self._lock = threading.RLock()
+        self._lock = DeferringLock()              # re-entrant; a signal waits for the main thread to leave it
         self._closed = False
-        self.info = self._open_run_info(run_id, pools or {}, metadata or {})
+        self._run_lock = RunLock(self.run_dir)
+        self._run_lock.acquire()                  # one writer per run directory
+        try:
+            self.info = self._open_run_info(run_id, pools or {}, metadata or {})
+        except BaseException:
+            self._run_lock.release()
+            raise
+        self._timer = FlushTimer(self, min(1.0, flush_every_seconds / 4))
+        self._signals = SignalFlush(self, self._lock, signal_flush_seconds) if handle_signals else None
 
     # ------------------------------------------------------------------ run.json
     def _open_run_info(self, run_id: str | None, pools: Mapping[str, Mapping[str, Any]],
@@ -227,10 +261,16 @@ class RunWriter:
         """Buffer one step's statistics (``stats=None`` records a step with no observation).
         ``exemplars``: their tables, or tables to build when the step is written."""
         step = int(step)
+        if stats is not None:
+            check_labels(stats.dims)
+            # the run's readers take run.json's config: stats of other parameters would read wrong
+            stats.check_parameters(self.config, "RunWriter.append_step")
         wall = self._clock() if wall_time is None else float(wall_time)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"run writer for {self.run_dir} is closed")
+            if self._inflight is not None and self._inflight[0].done():
+                self._collect()                   # a finished flush's outcome, without waiting
             self._appends += 1
             append = self._appends
             buffer = self._pending.buffer
@@ -253,6 +293,7 @@ class RunWriter:
                 "collector_errors": int(collector_errors),
             })
             self._pending.appends.append(append)
+            self._bound()
             if self._due():
                 self._flush_due()
 
@@ -270,8 +311,66 @@ class RunWriter:
                 self._pending.buffer[ERRORS_TABLE].append((None, None, df))
 
     def _due(self) -> bool:
+        if not self._faults.may_retry():          # a failing disk is retried after a backoff
+            return False
         return (len(self._pending.steps) >= self._flush_every_steps
                 or self._clock() - self._last_flush >= self._flush_every_seconds)
+
+    def flush_if_due(self) -> None:
+        """A flush by the clock, for a pause between steps (the flush timer calls it)."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._inflight is not None and self._inflight[0].done():
+                self._collect()
+            if (self._pending.steps or self._pending.buffer[ERRORS_TABLE]) and self._due():
+                self._flush_due()
+
+    def _bound(self) -> None:
+        """While the disk refuses writes, keep at most ``max_buffered_steps`` unwritten steps:
+        drop the oldest not being written, and count them (reported when the episode ends)."""
+        if not self._faults.failing:              # otherwise a flush in flight bounds the backlog
+            return
+        inflight = len(self._inflight[1].steps) if self._inflight is not None else 0
+        over = min(len(self._pending.steps) + inflight - self._max_buffered, len(self._pending.steps))
+        if over > 0:
+            self._faults.dropped(self._pending.drop_oldest(over))
+
+    def _failed(self, pending: _Pending, exc: BaseException, *, report: bool = True) -> None:
+        """A flush failed: its steps go back in front; the first failure of an episode is reported."""
+        self._restore(pending)
+        if self._faults.failed() and report:
+            error = FlushError(
+                f"writing {pending.step_range()} failed; they are kept and written again when the disk takes "
+                f"them (retried with backoff; at most {self._max_buffered} unwritten steps are kept, beyond "
+                f"that the oldest are dropped and counted; reported once until a write succeeds): "
+                f"{type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._errors.append(error)
+        self._bound()
+
+    def _succeeded(self, written: int) -> None:
+        if self._faults.failing:
+            message = self._faults.recovered(written, str(self.run_dir))
+            if message is not None:
+                self._errors.append(FlushError(message))
+            self._save_dropped()
+
+    def _save_dropped(self) -> None:
+        """Record the run's dropped-step count in run.json (best effort: the disk may be full)."""
+        if self._faults.dropped_total:
+            self.info["dropped_steps"] = int(self.info.get("dropped_steps", 0)) + self._faults.dropped_total
+            self._faults.dropped_total = 0
+            try:
+                write_json_atomic(self.info, self.run_dir / RUN_FILE)
+            except OSError:
+                pass                              # written again with the next run.json
+
+    @property
+    def dropped_steps(self) -> int:
+        """Steps of this run (restarts included) dropped unwritten: a disk that refused them."""
+        with self._lock:
+            return int(self.info.get("dropped_steps", 0)) + self._faults.dropped_total
 
     @property
     def pending_steps(self) -> int:
@@ -288,9 +387,10 @@ class RunWriter:
             return errors
 
     # ------------------------------------------------------------------ flushing
-    def flush(self) -> int:
-        """Write every buffered step before returning (and raise what fails); returns how many
-        steps became visible, including those of a background flush that was in flight."""
+    def flush(self, *, raise_errors: bool = True) -> int:
+        """Write every buffered step before returning; returns how many steps became visible,
+        including those of a background flush that was in flight. A write that fails keeps its
+        steps and raises, or with ``raise_errors=False`` is kept for :meth:`take_errors`."""
         with self._lock:
             self._last_flush = self._clock()
             done = self._collect()
@@ -299,16 +399,19 @@ class RunWriter:
                 return done
             try:
                 written = self._write_pending(pending)
-            except BaseException:
-                self._restore(pending)
-                raise
+            except BaseException as exc:
+                self._failed(pending, exc, report=not raise_errors)
+                if raise_errors:
+                    raise
+                return done
+            self._succeeded(written)
             self._keep_errors(pending)
             return done + written
 
     def _flush_due(self) -> None:
         self._last_flush = self._clock()
         if not self._background:
-            self.flush()
+            self.flush(raise_errors=False)        # a failure is kept for take_errors, as in the background
             return
         self._collect()                                  # one flush in flight at a time, in order
         pending = self._take()
@@ -331,12 +434,9 @@ class RunWriter:
         try:
             written = future.result()
         except BaseException as exc:
-            error = FlushError(f"writing {pending.step_range()} failed; they are kept and written again by "
-                               f"the next flush: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            self._errors.append(error)
-            self._restore(pending)
+            self._failed(pending, exc)
             return 0
+        self._succeeded(written)
         self._keep_errors(pending)
         return written
 
@@ -364,6 +464,17 @@ class RunWriter:
         pending.build_deferred()
         steps, keep = pending.latest()
         write_id = self._ids.next()
+        try:
+            return self._write_files(pending, steps, keep, write_id)
+        except BaseException:
+            # a flush cut short leaves orphan data files: remove them now (compaction removes
+            # those of a process killed mid-flush)
+            for table in (*DATA_TABLES, STEPS_TABLE):
+                remove_quietly(self.run_dir / table / file_name(write_id))
+                remove_quietly(self.run_dir / "rollups" / table / file_name(write_id))
+            raise
+
+    def _write_files(self, pending: _Pending, steps: list[dict[str, Any]], keep: set[int], write_id: int) -> int:
         step_of = {append: row["step"] for row, append in zip(pending.steps, pending.appends)}
         for table in DATA_TABLES:
             entries = pending.buffer[table]
@@ -394,24 +505,50 @@ class RunWriter:
         write_parquet_atomic(arrow, self.run_dir / table / file_name(write_id))
         write_rollup(self.run_dir, table, arrow, write_id)
 
-    def close(self) -> None:
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Write what is buffered, mark the run closed and release it. With ``raise_errors=False``
+        it never raises: steps that cannot be written are dropped and counted, and what went wrong
+        is kept for :meth:`take_errors`."""
         if self._flush_thread is not None and threading.get_ident() == self._flush_thread:
             # called on the flush thread itself (a finalizer the garbage collector ran there):
             # waiting there for the flush in flight would never end, so close from another thread
-            threading.Thread(target=self.close, name="mismatch-monitor-close").start()
+            threading.Thread(target=self.close, kwargs={"raise_errors": raise_errors},
+                             name="mismatch-monitor-close").start()
             return
         with self._lock:
             if self._closed:
                 return
             try:
-                self.flush()
+                self.flush(raise_errors=raise_errors)
             finally:
                 if self._executor is not None:
                     self._executor.shutdown(wait=True)
                     self._executor = None
+            if self._inflight is not None:        # a flush the timer started meanwhile
+                self._collect()
+            gave_up = None
+            if self._pending.steps:               # raise_errors=False and the disk still refuses
+                gave_up = self._faults.gave_up([r["step"] for r in self._pending.steps], str(self.run_dir))
+                self._pending = _Pending()
+                if gave_up is not None:
+                    self._errors.append(FlushError(gave_up))
             self.info["closed_at"] = self._clock()
-            write_json_atomic(self.info, self.run_dir / RUN_FILE)
+            if self._faults.dropped_total:
+                self.info["dropped_steps"] = int(self.info.get("dropped_steps", 0)) + self._faults.dropped_total
+                self._faults.dropped_total = 0
+            try:
+                write_json_atomic(self.info, self.run_dir / RUN_FILE)
+            except OSError as exc:
+                if raise_errors:
+                    raise
+                if gave_up is None:               # else the same disk failure was just reported
+                    self._errors.append(FlushError(f"could not mark {self.run_dir} closed in {RUN_FILE}: "
+                                                   f"{type(exc).__name__}: {exc}"))
             self._closed = True
+            self._timer.stop()
+            if self._signals is not None:
+                self._signals.uninstall()
+            self._run_lock.release()
 
     @property
     def closed(self) -> bool:
@@ -434,3 +571,10 @@ def write_rollup(run_dir: Path, table: str, cells: pa.Table, file_id: int) -> No
             write_parquet_atomic(stamp(out, name), run_dir / name / file_name(file_id))
     except Exception:  # noqa: BLE001 - see above: readers fall back to the cells
         log.exception("could not write the %s rollups of file %d; its steps are read from cells", table, file_id)
+
+
+def close_and_log(writer: RunWriter) -> None:
+    """Close ``writer`` where nobody will take its errors (at interpreter exit): log them."""
+    writer.close(raise_errors=False)
+    for error in writer.take_errors():
+        log.error("mismatch-monitor: the run store at exit: %s", error)
