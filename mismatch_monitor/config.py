@@ -11,6 +11,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 KERNELS = ("auto", "native", "torch")
+# options that change how the engine computes, not what its statistics mean: every other option
+# is a parameter of the statistics (a bin edge, a band, a bucket edge, a threshold)
+EXECUTION_OPTIONS = ("chunk_tokens", "kernel")
+# (option, value) of every option a table's meaning depends on, in declaration order
+StatsParameters = tuple[tuple[str, Any], ...]
 
 
 def _increasing(name: str, values: tuple[float, ...], *, positive: bool = True) -> None:
@@ -124,6 +129,17 @@ class MetricConfig:
         if self.kernel not in KERNELS:
             raise ValueError(f"expected kernel in {KERNELS}, got {self.kernel!r}")
 
+    def stats_parameters(self) -> StatsParameters:
+        """The options the engine's tables mean something under (all but EXECUTION_OPTIONS):
+        histogram bins read with another accuracy, or counts of another band, are other numbers."""
+        return tuple((k, v) for k, v in asdict(self).items() if k not in EXECUTION_OPTIONS)
+
+    @classmethod
+    def from_stats_parameters(cls, params: StatsParameters) -> "MetricConfig":
+        """The config statistics with these parameters were computed under (execution options
+        at their defaults)."""
+        return cls(**dict(params))
+
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
@@ -134,3 +150,10 @@ class MetricConfig:
         if unknown:
             raise ValueError(f"unknown MetricConfig options {sorted(unknown)}; expected {sorted(known)}")
         return cls(**data)
+
+
+def parameter_differences(a: StatsParameters, b: StatsParameters) -> list[str]:
+    """``name: value in a vs value in b`` for every parameter on which ``a`` and ``b`` differ."""
+    left, right = dict(a), dict(b)
+    return [f"{k}: {left.get(k)!r} vs {right.get(k)!r}" for k in list(left) + [k for k in right if k not in left]
+            if left.get(k) != right.get(k)]

@@ -93,7 +93,10 @@ METRICS: tuple[Metric, ...] = (
        lambda t: _f(t["max_abs_lr"])),
     _t("mismatch/mult_prob_error", "ratio", "mult. prob. error", "mean exp(|lr|) >= 1 (NeMo-RL token_mult_prob_error)",
        lambda t: _div(t["sum_exp_abs_lr"], t["n_tokens"])),
-    _t("mismatch/chi2", "ratio", "chi^2", "mean(rho^2) - 1: variance of the importance weights",
+    _t("mismatch/chi2", "ratio", "chi^2", ("mean(rho^2) - 1: unbiased estimate of the chi-square divergence "
+                                           "chi2(pi||mu) from samples of mu; the weights' variance only where "
+                                           "mean(rho) = 1; negative when mean(rho^2) < 1 (only possible if "
+                                           "mean(rho) < 1)"),
        lambda t: _div(t["sum_rho2"], t["n_tokens"]) - 1.0),
     _t("mismatch/ess", "ratio", "ESS", "normalised effective sample size (sum rho)^2 / (n sum rho^2)",
        lambda t: _ess(t["sum_rho"], t["sum_rho2"], t["n_tokens"])),
@@ -323,12 +326,27 @@ def _grouped(cols: Mapping[str, object], table: str, codes: np.ndarray, G: int) 
     return out
 
 
+def config_for(stats, config: MetricConfig | None, reader: str = "report") -> MetricConfig:
+    """The config ``stats`` are read under: the one they were computed with when none is given
+    (``stats.params``); a given one must agree with it on every parameter, or the histogram
+    bins, bands and buckets would be read as other numbers (a quantile of another accuracy is
+    off by up to that accuracy's bin, silently). Stats that record no parameters take
+    ``config`` (or the defaults) as they are."""
+    if stats.params is None:
+        return config or MetricConfig()
+    if config is None:
+        return MetricConfig.from_stats_parameters(stats.params)
+    stats.check_parameters(config, reader)
+    return config
+
+
 def report_by_label(stats, dim: str = "pool", config: MetricConfig | None = None
                     ) -> tuple[GroupMetrics, GroupMetrics]:
     """Metrics of every value of one label dimension, and of the whole step: the same values
     as ``report(stats, [dim])`` and ``report(stats)``, without the general group-by (the
-    collector reports every step). Sums are float64 (exact for counts below 2^53)."""
-    config = config or MetricConfig()
+    collector reports every step). Sums are float64 (exact for counts below 2^53).
+    ``config``: see :func:`config_for`."""
+    config = config_for(stats, config, "report_by_label")
     if dim not in stats.dims:
         raise ValueError(f"{dim!r} is not a label dimension of these statistics (they have {list(stats.dims)})")
     rows = {t: len(stats.tables[t]) for t in METRIC_TABLES}
@@ -365,10 +383,12 @@ METRIC_TABLES = ("tokens", "sequences", "abs_hist")
 
 def metric_tables(stats):
     """Only the tables metrics read: merging histograms of other kinds would be wasted work."""
-    return type(stats)({t: stats.tables[t] for t in METRIC_TABLES}, stats.dims)
+    return type(stats)({t: stats.tables[t] for t in METRIC_TABLES}, stats.dims, stats.params)
 
 
 def report(stats, by: Sequence[str] = (), config: MetricConfig | None = None) -> pd.DataFrame:
-    """Metrics of a :class:`MismatchStats` merged down to ``by`` (``()`` = everything)."""
+    """Metrics of a :class:`MismatchStats` merged down to ``by`` (``()`` = everything), read
+    under the config they were computed with (``config``: see :func:`config_for`)."""
+    config = config_for(stats, config)
     m = metric_tables(stats).marginal(by)
     return derive(m["tokens"], m["sequences"], m["abs_hist"], by=by, config=config)

@@ -57,7 +57,8 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     dims = dimension_names(dict(batch.labels))
     if batch.num_tokens == 0:
         zeros = torch.zeros(batch.num_sequences, device=batch.device)
-        return MismatchStats.empty(dims), SequenceValues(zeros.double(), zeros.double(), zeros.long())
+        return (MismatchStats.empty(dims, config.stats_parameters()),
+                SequenceValues(zeros.double(), zeros.double(), zeros.long()))
     cells = assign_cells(batch, config)
     acc = token_pass(batch, cells, config, workers=workers)
     C = cells.num_token_cells
@@ -93,7 +94,7 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     B = batch.num_sequences
     values = SequenceValues(max_abs_lr=acc.seq_max_abs[:B], sum_lr=acc.seq_sum_lr[:B],
                             n_valid=cells.seq_length - acc.seq_invalid[:B])
-    return MismatchStats(tables, tuple(dims), arrays), values
+    return MismatchStats(tables, tuple(dims), config.stats_parameters(), arrays), values
 
 
 def _now(fn, *args) -> Future:

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from ..batch import STANDARD_DIMENSIONS
+from ..config import MetricConfig, StatsParameters, parameter_differences
 from .fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
 
 
@@ -29,10 +30,18 @@ def key_columns(table: str, dims: Sequence[str]) -> list[str]:
 @dataclass(frozen=True)
 class MismatchStats:
     """One table per entry of ``fields.TABLES``; every table has the key columns of
-    :func:`key_columns` followed by its value fields. Only non-empty cells are present."""
+    :func:`key_columns` followed by its value fields. Only non-empty cells are present.
+
+    ``params``: the config parameters the tables mean something under
+    (``MetricConfig.stats_parameters()``: histogram accuracy and range, bands, caps, bucket
+    edges, thresholds), set by the engine; merging or reading statistics under other parameters
+    is refused (:func:`merge`, ``metrics.report``). None: not recorded (tables built by hand or
+    read back from a store, whose run records the config).
+    """
 
     tables: dict[str, pd.DataFrame]
     dims: tuple[str, ...] = field(default=STANDARD_DIMENSIONS)
+    params: StatsParameters | None = field(default=None, compare=False)
     # the arrays the engine built some tables from (the same values as the frames): reading
     # columns here skips pandas' per-column overhead, which the collector pays every step
     arrays: dict[str, dict[str, object]] = field(default_factory=dict, compare=False, repr=False)
@@ -53,19 +62,29 @@ class MismatchStats:
         return {c: s.array if isinstance(s.dtype, pd.api.extensions.ExtensionDtype) else s.to_numpy()
                 for c, s in self.tables[table].items()}
 
+    def check_parameters(self, config: MetricConfig, reader: str) -> None:
+        """Raise unless ``config`` has the parameters these statistics were computed under (or
+        they record none): ``reader`` would read their bins, bands and buckets as other numbers."""
+        differences = [] if self.params is None else parameter_differences(self.params, config.stats_parameters())
+        if differences:
+            raise ValueError(f"{reader}: the statistics were computed under other MetricConfig parameters than "
+                             f"the config given (computed vs given: {'; '.join(differences)}); pass the config "
+                             f"they were computed with")
+
     @property
     def is_empty(self) -> bool:
         t = self.tables["tokens"]
         return len(t) == 0 or int(t["n_tokens"].sum()) == 0
 
     @classmethod
-    def empty(cls, dims: Sequence[str] = STANDARD_DIMENSIONS) -> "MismatchStats":
-        return cls({name: empty_table(name, dims) for name in TABLES}, tuple(dims))
+    def empty(cls, dims: Sequence[str] = STANDARD_DIMENSIONS, params: StatsParameters | None = None
+              ) -> "MismatchStats":
+        return cls({name: empty_table(name, dims) for name in TABLES}, tuple(dims), params)
 
     def marginal(self, by: Sequence[str]) -> "MismatchStats":
         """Merge cells down to the columns in ``by`` (a subset of the cell keys); others vanish."""
         return MismatchStats({name: _group(df, name, list(by)) for name, df in self.tables.items()},
-                             tuple(d for d in self.dims if d in by))
+                             tuple(d for d in self.dims if d in by), self.params)
 
 
 def table_schema(table: str, dims: Sequence[str]) -> dict[str, str]:
@@ -152,6 +171,7 @@ def merge(parts: Iterable[MismatchStats]) -> MismatchStats:
     parts = list(parts)
     if not parts:
         return MismatchStats.empty()
+    params = common_parameters(parts)
     dims: list[str] = []
     for p in parts:
         dims += [d for d in p.dims if d not in dims]
@@ -165,7 +185,19 @@ def merge(parts: Iterable[MismatchStats]) -> MismatchStats:
         df = pd.concat(frames, ignore_index=True)
         tables[name] = aggregate(df, key_columns(name, dims), merge_rules(name)).astype(
             table_schema(name, dims))
-    return MismatchStats(tables, tuple(dims))
+    return MismatchStats(tables, tuple(dims), params)
+
+
+def common_parameters(parts: Sequence[MismatchStats]) -> StatsParameters | None:
+    """The parameters every part that records them shares (None when none does); parts computed
+    under different ones do not merge: a sum of histogram bins of two accuracies, or of counts
+    outside two bands, is no statistic at all."""
+    known = [p.params for p in parts if p.params is not None]
+    for other in known[1:]:
+        if other != known[0]:
+            raise ValueError("cannot merge statistics computed under different MetricConfig parameters ("
+                             + "; ".join(parameter_differences(known[0], other)) + ")")
+    return known[0] if known else None
 
 
 def _with_dims(df: pd.DataFrame, table: str, dims: list[str]) -> pd.DataFrame:
