@@ -128,6 +128,7 @@ class MismatchExporter:
     def observe(self, step: int, stats: MismatchStats) -> None:
         """Export one step: gauges take its values, counters and the histogram add its counts.
         Returns at once; the work runs on a background thread (see :meth:`process_queued`)."""
+        stats.check_parameters(self.config, "MismatchExporter.observe")   # its buckets are this config's
         self._enqueue(("step", int(step), self._clock(), stats))
 
     def count_resync(self, pool: str | None) -> None:

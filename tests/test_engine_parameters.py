@@ -84,3 +84,15 @@ def test_a_run_keeps_only_statistics_of_its_config_and_reads_them_back_under_it(
         assert _within_alpha(stored[key], want[key]), (key, stored[key], want[key])
         assert math.isclose(stored[key], metrics.report(stats).iloc[0][key], rel_tol=1e-12)
     assert np.isclose(stored["mismatch/k3_kl"], want["mismatch/k3_kl"], rtol=1e-9)
+
+
+def test_the_exporter_refuses_statistics_of_another_config(each_kernel):
+    # its histogram buckets are bounds of its own config's bins
+    from prometheus_client import CollectorRegistry
+
+    from mismatch_monitor.exporter import MismatchExporter
+
+    stats = compute_stats(make_case(14, num_sequences=10).batch("offsets"), COARSE)
+    with pytest.raises(ValueError, match=r"MismatchExporter.observe: .*hist_relative_accuracy: 0\.05 vs 0\.01"):
+        MismatchExporter(CollectorRegistry(), MetricConfig()).observe(0, stats)
+    MismatchExporter(CollectorRegistry(), COARSE).observe(0, stats)
