@@ -54,6 +54,7 @@ class Shard(NamedTuple):
     exemplars: Exemplars
     rank: int
     error: tuple[str, str] | None = None     # (exception class, message) of a rejected batch
+    params: tuple | None = None              # MismatchStats.params: ranks of other configs do not merge
 
 
 class Rejection(NamedTuple):
@@ -122,7 +123,7 @@ class DistributedReducer:
         # an exemplar's seq_index counts within its own rank's batch: keep the rank beside it
         exemplars = {name: df.assign(rank=self.rank) for name, df in exemplars.items()}
         payload = Shard(step, stats.tables, tuple(stats.dims), exemplars, self.rank,
-                        None if error is None else (type(error).__name__, str(error)))
+                        None if error is None else (type(error).__name__, str(error)), stats.params)
         if self.all_ranks:
             parts: list[Any] = [None] * self.world_size
             dist.all_gather_object(parts, payload, group=self.group)
@@ -158,5 +159,5 @@ def merge_parts(parts: list[Shard], exemplars_k: int, *, step: int | None = None
             rejected.append(Rejection(part.rank, part.step, *part.error))
         else:
             kept.append(part)
-    stats = merge([MismatchStats(p.tables, p.dims) for p in kept]) if kept else MismatchStats.empty()
+    stats = merge([MismatchStats(p.tables, p.dims, p.params) for p in kept]) if kept else MismatchStats.empty()
     return stats, merge_exemplars([p.exemplars for p in kept], exemplars_k), rejected

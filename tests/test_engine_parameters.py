@@ -96,3 +96,15 @@ def test_the_exporter_refuses_statistics_of_another_config(each_kernel):
     with pytest.raises(ValueError, match=r"MismatchExporter.observe: .*hist_relative_accuracy: 0\.05 vs 0\.01"):
         MismatchExporter(CollectorRegistry(), MetricConfig()).observe(0, stats)
     MismatchExporter(CollectorRegistry(), COARSE).observe(0, stats)
+
+
+def test_ranks_computed_under_different_configs_do_not_merge(each_kernel):
+    from mismatch_monitor.collectors.distributed import Shard, merge_parts
+
+    batch = make_case(15, num_sequences=10).batch("offsets")
+    shards = [Shard(3, s.tables, s.dims, {}, rank, None, s.params)
+              for rank, s in enumerate((compute_stats(batch, MetricConfig()), compute_stats(batch, COARSE)))]
+    with pytest.raises(ValueError, match=r"cannot merge .*hist_relative_accuracy: 0\.01 vs 0\.05"):
+        merge_parts(shards, 0, step=3)
+    merged, _, rejected = merge_parts([shards[1], shards[1]._replace(rank=1)], 0, step=3)
+    assert merged.params == COARSE.stats_parameters() and not rejected
