@@ -108,3 +108,15 @@ def test_ranks_computed_under_different_configs_do_not_merge(each_kernel):
         merge_parts(shards, 0, step=3)
     merged, _, rejected = merge_parts([shards[1], shards[1]._replace(rank=1)], 0, step=3)
     assert merged.params == COARSE.stats_parameters() and not rejected
+
+
+def test_a_run_continues_only_under_the_parameters_of_its_stored_steps(tmp_path):
+    # its readers take every step under run.json's one config: a restart with another
+    # histogram accuracy would re-read the stored steps' bins as other numbers
+    RunWriter(tmp_path, config=COARSE, background=False).close()
+    with pytest.raises(ValueError, match=r"other MetricConfig parameters \(stored vs given: hist_relative_acc"
+                                         r"uracy: 0\.05 vs 0\.01\)"):
+        RunWriter(tmp_path, background=False)
+    # how the engine runs may change
+    RunWriter(tmp_path, config=MetricConfig(hist_relative_accuracy=ALPHA, kernel="torch"), background=False).close()
+    RunWriter(tmp_path, config=COARSE, background=False).close()
