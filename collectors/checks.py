@@ -8,10 +8,13 @@ Two kinds of trouble reach the collector and they are treated differently:
 * **bad data** (shapes that do not line up, a step out of the int64 range, log-probs that look
   like probabilities): counted, logged with its message and recorded in the run (``errors``
   table); raised only in strict mode.
+
+Also here: the labels a batch takes from the declared pool metadata (:func:`with_pool_labels`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import operator
 from typing import Any, Mapping
@@ -19,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from mismatch_monitor.batch import BatchError, TokenBatch
+from mismatch_monitor.engine import MismatchStats
 
 # every field log_step and StepHook.add take beside a TokenBatch (TokenBatch.from_padded/from_flat)
 PADDED_ONLY = ("response_mask",)
@@ -138,3 +142,26 @@ def probabilities_error(sides: Mapping[str, float], num_tokens: int) -> Probabil
         f"{listing} look like probabilities, not log-probabilities: log-probs are <= 0; pass "
         f"torch.log(p) (or the log_softmax values). These tokens are set aside as positive log-probs, "
         f"so the step's metrics describe none of them")
+
+
+def data_warnings(batch: TokenBatch, stats: MismatchStats) -> list[Exception]:
+    """Problems of a batch whose step is still recorded: probabilities given as log-probs
+    (looked for only when the engine set positive log-probs aside, so it costs nothing else)."""
+    if not len(stats.tables["tokens"]) or not int(stats.column("tokens", "n_positive_logprob").sum()):
+        return []
+    sides = probability_sides(batch)
+    return [probabilities_error(sides, batch.num_tokens)] if sides else []
+
+
+def with_pool_labels(batch: TokenBatch, pools: Mapping[str, Mapping[str, Any]]) -> TokenBatch:
+    """Fill hardware/precision/engine/env labels a batch lacks from the declared pool metadata."""
+    names = batch.labels.get("pool")
+    if names is None or not pools:
+        return batch
+    labels = dict(batch.labels)
+    for dim in ("hardware", "precision", "engine", "env"):
+        if dim in labels or not any(dim in meta for meta in pools.values()):
+            continue
+        values = (pools.get(p, {}).get(dim) if p is not None else None for p in names)
+        labels[dim] = tuple(None if v is None else str(v) for v in values)
+    return dataclasses.replace(batch, labels=labels) if len(labels) != len(batch.labels) else batch

@@ -20,18 +20,14 @@ rank 0, which alone writes the run: the ranks never write one run directory each
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
 import weakref
-from typing import Any, Callable, Literal, Mapping, Protocol, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
-import pandas as pd
 import torch
 
-from .. import query
-from ..alerts import AlertEvaluator
 from ..batch import TokenBatch
 from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
@@ -41,48 +37,12 @@ from ..label_limits import LabelLimit
 from ..report_keys import flatten_report
 from ..store import RunWriter
 from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, close_and_log
-from .checks import (FIELDS, as_token_batch, check_call, checked_step, probabilities_error,  # noqa: F401
-                     probability_sides)
+from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warnings, with_pool_labels
 from .distributed import DistributedReducer, distributed_world, launched_world
+from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
 from .errors import ErrorLog
 
 log = logging.getLogger("mismatch_monitor")
-
-
-class Reducer(Protocol):
-    """Combines per-rank statistics into the global view (see ``collectors/distributed.py``)."""
-
-    is_writer: bool
-
-    def __call__(self, stats: MismatchStats, exemplars: dict[str, pd.DataFrame], *, step: int | None,
-                 error: BaseException | None) -> tuple[MismatchStats, dict[str, pd.DataFrame]]: ...
-
-
-class Evaluator(Protocol):
-    """``by_pool``/``fleet``: :class:`GroupMetrics` (``.to_frame()`` gives the frame of
-    ``metrics.report``)."""
-
-    def observe(self, step: int, wall_time: float, by_pool: GroupMetrics, *,
-                fleet: GroupMetrics | None = None) -> list[Any]: ...
-
-
-class Exporter(Protocol):
-    def observe(self, step: int, stats: MismatchStats) -> None: ...
-
-    def count_resync(self, pool: str | None) -> None: ...
-
-
-def _default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
-    """The project's alert rules; a restarted run first replays its stored history, so an alert
-    that was firing stays firing (and does not ask for a second resync)."""
-    con = query.connect()
-    steps = query.steps_index(con, run_dir)["step"]   # steps without observations resolve alerts too
-    if steps.empty:
-        return AlertEvaluator()
-    history = query.metric_series(con, run_dir, ["pool"])
-    fleet = query.metric_series(con, run_dir)
-    evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet, steps=steps)
-    return evaluator
 
 
 class MismatchCollector:
@@ -151,7 +111,7 @@ class MismatchCollector:
         if self.reducer is None or self.reducer.is_writer:
             self.writer = RunWriter(self._run_dir, **options)
             if self._default_alerts:
-                self.alert_evaluator = _default_evaluator(self.writer.run_dir)
+                self.alert_evaluator = default_evaluator(self.writer.run_dir)
             # flush what is buffered if the process exits without close() (finalize runs at exit)
             self._finalizer = weakref.finalize(self, close_and_log, self.writer)
 
@@ -220,7 +180,7 @@ class MismatchCollector:
             index = checked_step(step)
             batch = self._as_batch(batch, fields)
             stats, per_sequence = compute_stats_with_sequences(batch, self.config, workers=self.workers)
-            warnings = self._data_warnings(batch, stats)
+            warnings = data_warnings(batch, stats)
             selected = select_exemplars(batch, self.exemplars_k, self.config, per_sequence)
             # the writer builds the exemplar tables when it flushes; a reducer gathers tables now
             exemplars = selected.frames() if self.reducer is not None else selected
@@ -267,15 +227,6 @@ class MismatchCollector:
             self._append_empty(index, wall)
             return {"mismatch/collector_errors": float(self.error_count)}
 
-    def _data_warnings(self, batch: TokenBatch, stats: MismatchStats) -> list[Exception]:
-        """Problems of a batch whose step is still recorded: probabilities given as log-probs
-        (looked for only when the engine set positive log-probs aside, so it costs nothing else)."""
-        positive = stats.tables["tokens"]
-        if not len(positive) or not int(stats.column("tokens", "n_positive_logprob").sum()):
-            return []
-        sides = probability_sides(batch)
-        return [probabilities_error(sides, batch.num_tokens)] if sides else []
-
     def _note_rejections(self, wall: float) -> None:
         """Count and record the shards of other ranks the writer left out of this step."""
         take = getattr(self.reducer, "take_rejections", None)
@@ -285,20 +236,7 @@ class MismatchCollector:
             self._store_errors([row])
 
     def _as_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
-        return self._with_pool_labels(as_token_batch(batch, fields))
-
-    def _with_pool_labels(self, batch: TokenBatch) -> TokenBatch:
-        """Fill hardware/precision/engine labels a batch lacks from the declared pool metadata."""
-        pools = batch.labels.get("pool")
-        if pools is None or not self.pools:
-            return batch
-        labels = dict(batch.labels)
-        for dim in ("hardware", "precision", "engine", "env"):
-            if dim in labels or not any(dim in meta for meta in self.pools.values()):
-                continue
-            values = (self.pools.get(p, {}).get(dim) if p is not None else None for p in pools)
-            labels[dim] = tuple(None if v is None else str(v) for v in values)
-        return dataclasses.replace(batch, labels=labels) if len(labels) != len(batch.labels) else batch
+        return with_pool_labels(as_token_batch(batch, fields), self.pools)
 
     def _evaluate_alerts(self, step: int, wall: float, by_pool: GroupMetrics,
                          fleet: GroupMetrics) -> list[Any]:

@@ -4,9 +4,12 @@ TRL's callbacks only ever see averaged scalars, so the per-token log-probs are c
 wrapping the trainer's generation and scoring step (targets TRL 1.x with transformers 5):
 
 * **sampler** (mu): with vLLM, TRL already keeps the engine's log-probs. Without it, TRL 1.x
-  generation returns none, so ``_generate_single_turn`` generates with one more logits processor,
-  appended after TRL's own (temperature, top-k, top-p), that reads the log-probability of each
-  sampled token under the distribution it was sampled from. TRL pads and shuffles them with the
+  generation returns none, so ``_generate_single_turn`` generates with one more logits processor
+  that reads the log-probability of each sampled token under the distribution it was sampled
+  from. It must run after everything that shapes that distribution: transformers puts a caller's
+  processors *before* its own warpers (temperature, top-k, top-p, min-p), so the capture is
+  appended to the list ``_get_logits_processor`` builds, after the warpers. Continuous batching
+  (``use_transformers_continuous_batching``) returns no log-probs and is refused at attach time. TRL pads and shuffles them with the
   rest of the batch; the mixin then moves them to its own key so that TRL's loss never sees them
   (with ``off_policy_mask_threshold`` TRL would otherwise use them): loss values do not change.
 * **trainer** (pi): what ``_get_per_token_logps_and_entropies`` returns inside ``_compute_loss``,
@@ -20,6 +23,11 @@ wrapping the trainer's generation and scoring step (targets TRL 1.x with transfo
 
 Staleness is exact: each sequence carries the ``global_step`` it was generated at; the trainer
 version is the step at which its trainer log-probs were computed.
+
+Several processes (``torchrun``, ``accelerate launch``): the collector's default ``reducer="auto"``
+reduces every step to rank 0, which alone writes the run; the trainer resolves it once the
+process group is up, and every rank logs every step (an empty share when it has none).
+Supported TRL versions: ``trl_compat.py``; checked when the trainer is built.
 """
 
 from __future__ import annotations
@@ -31,9 +39,12 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, TrainerCallback
 from trl import GRPOTrainer
 
+import trl
+from mismatch_monitor.batch import TokenBatch
 from .adapters.common import sequence_mean, turn_index
 from .aliases import aliases_for
 from .step_hook import StepHook, StepSink
+from .trl_compat import check_generation, check_trl
 
 SAMPLER_KEY = "mismatch_sampler_logps"       # [B, T] sampler log-probs, carried with the batch
 VERSION_KEY = "mismatch_policy_version"      # [B] global_step at which each sequence was generated
@@ -70,20 +81,26 @@ class SampledTokenLogProbs(LogitsProcessor):
 
 @contextmanager
 def capturing_generate(model: Any, capture: SampledTokenLogProbs) -> Iterator[dict[str, torch.Tensor]]:
-    """Within the block, ``model.generate`` also runs ``capture``; yields {"sequences": ...}."""
-    original = model.generate
+    """Within the block, ``model.generate`` also runs ``capture``, last of all its logits
+    processors (after the warpers); yields {"sequences": ...}."""
+    original, build = model.generate, model._get_logits_processor
     out: dict[str, torch.Tensor] = {}
 
-    def generate(*args: Any, logits_processor: Any = None, **kwargs: Any) -> torch.Tensor:
-        processors = LogitsProcessorList(list(logits_processor or []) + [capture])
-        out["sequences"] = original(*args, logits_processor=processors, **kwargs)
+    def processors(*args: Any, **kwargs: Any) -> LogitsProcessorList:
+        # the list generate samples from: the caller's processors, then temperature, top-k,
+        # top-p, min-p ...; the capture reads the distribution after all of them
+        return LogitsProcessorList([*build(*args, **kwargs), capture])
+
+    def generate(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out["sequences"] = original(*args, **kwargs)
         return out["sequences"]
 
-    model.generate = generate          # an instance attribute shadows the class method
+    # instance attributes shadow the class methods for this one call
+    model.generate, model._get_logits_processor = generate, processors
     try:
         yield out
     finally:
-        del model.generate
+        del model.generate, model._get_logits_processor
 
 
 def trl_batch_fields(inputs: Mapping[str, Any], trainer_logps: torch.Tensor, *,
@@ -135,7 +152,15 @@ class MismatchCaptureMixin:
     def __init__(self, *args: Any, mismatch_collector: StepSink,
                  mismatch_labels: Mapping[str, str] | None = None,
                  mismatch_log_reports: bool = True, **kwargs: Any) -> None:
+        mro = type(self).__mro__                   # what the wrapped methods call: the class after us
+        check_trl(trl.__version__, mro[mro.index(MismatchCaptureMixin) + 1])
         super().__init__(*args, **kwargs)
+        check_generation(self.args, use_vllm=self.use_vllm)
+        # the process group is up now (accelerate starts it with the arguments): several ranks
+        # reduce to rank 0, which alone writes the run
+        resolve = getattr(mismatch_collector, "resolve_reducer", None)
+        if resolve is not None:
+            resolve()
         engine = "vllm" if self.use_vllm else "transformers"
         precision = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
         self.mismatch_labels = {"pool": engine, "engine": engine, "precision": precision,
@@ -194,6 +219,11 @@ class MismatchCaptureMixin:
     def _mismatch_end_step(self, step: int) -> None:
         if self.mismatch_hook.pending:
             self.mismatch_report = self.mismatch_hook.end_step(step)
+        elif getattr(self.mismatch_hook.collector, "reducer", None) is not None:
+            # the reduction is a collective: a rank with nothing this step still joins it
+            empty = torch.zeros(0, dtype=torch.float32)
+            self.mismatch_report = self.mismatch_hook.collector.log_step(
+                step, TokenBatch.from_flat(empty, empty, seq_offsets=[0]))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.mismatch_log_reports and self.model.training and self.mismatch_report:

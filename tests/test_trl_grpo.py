@@ -53,7 +53,7 @@ def train(tmp_path, *, integrated: bool, bf16: bool = False, steps: int = 4, **e
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       gradient_accumulation_steps=2, max_completion_length=8, max_steps=steps,
                       logging_steps=1, report_to=[], bf16=bf16, use_cpu=True, save_strategy="no",
-                      seed=0, learning_rate=1e-2, **extra)
+                      seed=0, **{"learning_rate": 1e-2, **extra})
     dataset = Dataset.from_dict({"prompt": [" ".join(WORDS[i:i + 3]) for i in range(16)]})
     common = dict(model=model(), reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer())
     if not integrated:
