@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="fault_midrun",
                         help="which fleet to simulate (default fault_midrun)")
     parser.add_argument("--fault", choices=FAULT_KINDS, default="stop_sync",
-                        help="the fault of fault_midrun, switched on at steps // 2 (default stop_sync)")
+                        help="the fault of fault_midrun / vllm_fleet, switched on at steps // 2 (default "
+                             "stop_sync; sync_no_reset needs --engine vllm)")
+    parser.add_argument("--engine", choices=("torch", "vllm"), default="torch",
+                        help="torch: simulated pools (default); vllm: the vllm_fleet scenario, every pool a real "
+                             "in-process vLLM engine (dense policy; needs make install-vllm)")
     parser.add_argument("--variant", choices=("dense", "moe"), default="moe",
                         help="toy Qwen3 (dense) or Qwen3-MoE with 8 experts, top-2 (default moe)")
     parser.add_argument("--steps", type=int, default=200, help="RL steps (default 200)")
@@ -68,7 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace) -> SimConfig:
-    options: dict[str, Any] = {"fault": args.fault} if args.scenario == "fault_midrun" else {}
+    if getattr(args, "engine", "torch") == "vllm":     # real engines: their own fleet, dense
+        args.scenario, args.variant = "vllm_fleet", "dense"
+    faulted = args.scenario in ("fault_midrun", "vllm_fleet")
+    options: dict[str, Any] = {"fault": args.fault} if faulted else {}
     config = scenario(args.scenario, steps=args.steps, variant=args.variant, seed=args.seed, **options)
     if args.correction is not None:
         config = replace(config, correction=args.correction)
@@ -87,7 +94,8 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
     sim = Simulation(config)
     result = RunResult(run_dir=run_dir, seconds_setup=time.perf_counter() - t0)
     evaluator = _alert_evaluator() if alerts else None
-    meta = {"simulator": {"config": asdict(config), **(metadata or {})}}
+    # what each vLLM engine really runs (dtype, quantization as applied, versions); torch pools: none
+    meta = {"simulator": {"config": asdict(config), "engines": sim.engine_info(), **(metadata or {})}}
     collector = MismatchCollector(run_dir, config=config.thresholds, run_id=run_id,
                                   pools=sim.pool_metadata(), alert_evaluator=evaluator,
                                   exporter=exporter, metadata=meta,
@@ -108,13 +116,16 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
     collector.on_resync(on_resync)
     collector.on_alert(on_alert)
     with collector:
-        for out in sim.run(steps, progress=progress):
-            t = time.perf_counter()
-            collector.log_step(out.step, out.batch)
-            result.seconds_collector += time.perf_counter() - t
-            result.rewards.append(out.reward_mean)
-            result.rewards_by_pool.append(out.reward_by_pool)
-            result.steps += 1
+        try:
+            for out in sim.run(steps, progress=progress):
+                t = time.perf_counter()
+                collector.log_step(out.step, out.batch)
+                result.seconds_collector += time.perf_counter() - t
+                result.rewards.append(out.reward_mean)
+                result.rewards_by_pool.append(out.reward_by_pool)
+                result.steps += 1
+        finally:
+            sim.close()
     result.seconds_total = time.perf_counter() - t0
     return result
 

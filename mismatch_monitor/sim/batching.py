@@ -70,11 +70,20 @@ def trainer_token_logprobs(logp: torch.Tensor, padded: Padded, pools: dict[str, 
     """log pi of every token ``[B, T]`` (with gradient) and ``in_trainer_support`` ``[B, T]``.
 
     Rows whose pool shipped its kept set are re-normalised over that set (top-p replay), and
-    their support is checked against the trainer's own top-k/top-p set; every other row is
-    scored on the full distribution, whose support is the whole vocabulary.
+    their support is checked against the trainer's own top-k/top-p set; rows of a vLLM
+    truncating pool are re-normalised over the trainer's own set (a sampled token outside it
+    has log pi = -inf and is out of support); every other row is scored on the full
+    distribution, whose support is the whole vocabulary.
     """
     token = logp.gather(-1, padded.ids.unsqueeze(-1)).squeeze(-1)                  # [B, T]
     support = torch.ones_like(padded.response_mask)
+    for name, rows in padded.pool_rows.items():
+        spec = pools[name]
+        if spec.renormalises_over_trainer_set:    # vLLM's processed log-probs, kept set not shipped
+            own = kept_set(logp[rows].detach(), spec.top_k, spec.top_p)            # [b, T, V]
+            lse = logp[rows].masked_fill(~own, -torch.inf).logsumexp(-1)           # [b, T]
+            token = token.index_put((torch.tensor(rows),), token[rows] - lse)
+            support[rows] = own.gather(-1, padded.ids[rows].unsqueeze(-1)).squeeze(-1)
     if bool(padded.shipped.any()):
         lse = logp.masked_fill(~padded.kept, -torch.inf).logsumexp(-1)             # [B, T]
         token = torch.where(padded.shipped.unsqueeze(1), token - lse, token)

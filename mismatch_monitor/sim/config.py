@@ -65,7 +65,7 @@ class SimConfig:
         names = [p.name for p in self.pools]
         if len(set(names)) != len(names):
             raise ValueError(f"expected unique pool names, got {names}")
-        CharTokenizer(self.alphabet)  # raises on a bad alphabet
+        CharTokenizer(self.alphabet).encode(self.task.preamble)  # raises on a bad alphabet or preamble
         if not (isinstance(self.group_size, int) and self.group_size >= 2):
             raise ValueError(f"expected integer group_size >= 2, got {self.group_size!r}")
         if not (math.isfinite(self.temperature) and self.temperature > 0):
@@ -81,6 +81,13 @@ class SimConfig:
                 raise ValueError(f"expected integer {name} >= 0, got {getattr(self, name)!r}")
         if self.torch_threads is not None and not (isinstance(self.torch_threads, int) and self.torch_threads >= 1):
             raise ValueError(f"expected torch_threads None or an integer >= 1, got {self.torch_threads!r}")
-        longest = 1 + (self.task.max_length + 2) * (1 + self.task.turns) + 3 * self.task.turns
+        vllm = [p.name for p in self.pools if p.backend == "vllm"]
+        if vllm and self.policy.head_dim < 32:
+            raise ValueError(f"expected policy.head_dim >= 32 with vLLM pools {vllm} (vLLM's CPU attention), "
+                             f"got {self.policy.head_dim}")
+        if vllm and self.policy.variant != "dense":
+            raise ValueError(f"expected a dense policy with vLLM pools {vllm} (MoE routing capture from vLLM "
+                             f"is not wired), got {self.policy.variant!r}")
+        longest = 1 + len(self.task.preamble) + (self.task.max_length + 2) * (1 + self.task.turns) + 3 * self.task.turns
         if longest > self.policy.max_positions:
             raise ValueError(f"expected policy.max_positions >= {longest} for this task, got {self.policy.max_positions}")

@@ -16,8 +16,13 @@ from typing import Literal
 from .numerics import PRECISIONS, Dtype, Precision
 from .policy import Attention
 
-FaultKind = Literal["ignore_temperature", "stop_sync", "degrade_precision"]
-FAULT_KINDS: tuple[str, ...] = ("ignore_temperature", "stop_sync", "degrade_precision")
+FaultKind = Literal["ignore_temperature", "stop_sync", "degrade_precision", "sync_no_reset", "wrong_weights"]
+FAULT_KINDS: tuple[str, ...] = ("ignore_temperature", "stop_sync", "degrade_precision", "sync_no_reset",
+                                "wrong_weights")
+Backend = Literal["torch", "vllm"]
+# formats a vLLM pool runs in on the CPU (see vllm_checkpoint.ENGINE_FORMAT)
+VLLM_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4")
+VLLM_FAULTS: tuple[str, ...] = ("ignore_temperature", "stop_sync", "sync_no_reset", "wrong_weights")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -29,7 +34,11 @@ class FaultSpec:
         kind: ``ignore_temperature`` (the pool samples at temperature 1 whatever it is asked and
             reports the log-probs of what it sampled from); ``stop_sync`` (the pool stops
             receiving weight updates; a resync reloads it once, after which it is stuck again);
-            ``degrade_precision`` (the pool's weights are rounded to ``precision`` from then on).
+            ``degrade_precision`` (the pool's weights are rounded to ``precision`` from then on);
+            ``sync_no_reset`` (vLLM pools: weights are reloaded but the prefix cache is not reset,
+            so cached prompt prefixes keep the old weights' KV); ``wrong_weights`` (every sync
+            sends the warm-start weights, version 0, while the pool reports the version it was
+            meant to get). A resync performs one correct sync in every case.
         start_step: first step the fault is active.
         precision: the format a ``degrade_precision`` fault degrades to.
     """
@@ -68,6 +77,11 @@ class PoolSpec:
         prompts: prompts this pool samples per step (each a group of ``SimConfig.group_size``).
         hardware, engine: metadata labels written to the batch and to ``run.json``.
         faults: faults of this pool.
+        backend: ``torch`` (a transformers model copy, ``sampler.PoolSampler``) or ``vllm`` (a
+            real in-process vLLM engine, ``vllm_pool.VllmPoolSampler``; precisions
+            ``VLLM_PRECISIONS``, the policy's head_dim must be >= 32 for vLLM's CPU attention).
+        kv_cache_dtype: vLLM's KV-cache format (``auto`` = the compute dtype; ``fp8_e4m3`` /
+            ``fp8_e5m2`` need AVX-512 or AMX on the CPU).
     """
 
     name: str
@@ -83,6 +97,8 @@ class PoolSpec:
     hardware: str = "cpu"
     engine: str = "transformers"
     faults: tuple[FaultSpec, ...] = ()
+    backend: Backend = "torch"
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", tuple(self.faults))
@@ -112,6 +128,23 @@ class PoolSpec:
         for fault in self.faults:
             if not isinstance(fault, FaultSpec):
                 raise ValueError(f"expected FaultSpec faults, got {type(fault).__name__}")
+        if self.backend not in ("torch", "vllm"):
+            raise ValueError(f"expected backend 'torch' or 'vllm', got {self.backend!r}")
+        if self.backend == "vllm":
+            self._check_vllm()
+        elif self.kv_cache_dtype != "auto" or any(f.kind == "sync_no_reset" for f in self.faults):
+            raise ValueError(f"pool {self.name}: kv_cache_dtype and sync_no_reset need backend='vllm'")
+
+    def _check_vllm(self) -> None:
+        if self.precision not in VLLM_PRECISIONS:
+            raise ValueError(f"expected a vLLM pool precision in {VLLM_PRECISIONS}, got {self.precision!r}")
+        if self.lm_head != "same" or self.decode_batch is not None or self.ship_kept_set:
+            raise ValueError(f"pool {self.name}: lm_head, decode_batch and ship_kept_set are torch-pool options")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"expected kv_cache_dtype in ('auto', 'fp8_e4m3', 'fp8_e5m2'), got {self.kv_cache_dtype!r}")
+        bad = [f.kind for f in self.faults if f.kind not in VLLM_FAULTS]
+        if bad:
+            raise ValueError(f"expected vLLM pool faults in {VLLM_FAULTS}, got {bad}")
 
     @property
     def truncates(self) -> bool:
@@ -132,11 +165,25 @@ class PoolSpec:
     def sync_stopped_at(self, step: int) -> bool:
         return bool(self._active("stop_sync", step))
 
+    def skips_cache_reset_at(self, step: int) -> bool:
+        return bool(self._active("sync_no_reset", step))
+
+    def wrong_weights_at(self, step: int) -> bool:
+        return bool(self._active("wrong_weights", step))
+
+    @property
+    def renormalises_over_trainer_set(self) -> bool:
+        """A vLLM truncating pool reports log-probs renormalised over its kept set, which it does
+        not ship: the trainer renormalises over its own top-k/top-p set of the token's position."""
+        return self.backend == "vllm" and self.truncates
+
     def precision_label(self) -> str:
         return self.precision if self.lm_head == "same" else f"{self.precision}+{self.lm_head}-head"
 
     def engine_label(self) -> str:
-        parts = [self.engine, self.attention]
+        parts = [self.engine] + ([self.attention] if self.backend == "torch" else [])
+        if self.kv_cache_dtype != "auto":
+            parts.append(f"kv-{self.kv_cache_dtype}")
         if self.decode_batch is not None:
             parts.append(f"bs{self.decode_batch}")
         if self.top_p < 1.0:

@@ -14,8 +14,14 @@ from typing import Callable, Literal, Mapping
 from .config import SimConfig
 from .policy import PolicyShape, Variant
 from .pools import FaultKind, FaultSpec, PoolSpec
+from .task import StringTask
 
-ScenarioName = Literal["stable_fleet", "fault_midrun", "collapse_no_correction"]
+ScenarioName = Literal["stable_fleet", "fault_midrun", "collapse_no_correction", "vllm_fleet"]
+# vLLM's CPU attention needs head_dim >= 32; int4 groups need every linear input divisible by 32
+VLLM_POLICY = {"head_dim": 32}
+# a shared "system prompt" filling vLLM's first 32-token KV block (with BOS), so the prefix cache
+# has something to reuse across steps, as a real fleet's shared instructions do
+VLLM_PREAMBLE = "abcdefgh" * 3 + "hgfedcb"
 
 
 def mixed_fleet() -> tuple[PoolSpec, ...]:
@@ -36,7 +42,8 @@ def stable_fleet(*, steps: int = 200, variant: Variant = "dense", seed: int = 0)
 
 
 # which pool of the mixed fleet each fault hits
-_FAULT_POOL: dict[str, str] = {"stop_sync": "async", "ignore_temperature": "fp8", "degrade_precision": "bf16"}
+_FAULT_POOL: dict[str, str] = {"stop_sync": "async", "ignore_temperature": "fp8", "degrade_precision": "bf16",
+                               "wrong_weights": "bf16", "sync_no_reset": "bf16"}
 
 
 def fault_midrun(*, steps: int = 200, variant: Variant = "dense", seed: int = 0,
@@ -65,10 +72,39 @@ def collapse_no_correction(*, steps: int = 200, variant: Variant = "dense", seed
     return SimConfig(seed=seed, pools=pools, policy=PolicyShape(variant=variant), correction="none")
 
 
+def vllm_pools(*, kv_fp8: bool = False) -> tuple[PoolSpec, ...]:
+    """Real in-process vLLM engines on the host CPU, one format each (``hardware="cpu"``: these
+    numbers are measured, not reproduced): an fp32 control, bf16, online FP8 (W8A8), int8 W8A8,
+    a bf16 top-p pool, and with ``kv_fp8`` a bf16 pool with an FP8 KV cache (AVX-512 or AMX only;
+    int4 W4A16 pools need the same, which is why the default fleet has none)."""
+    def pool(name: str, precision: str, prompts: int, **extra: object) -> PoolSpec:
+        return PoolSpec(name, precision=precision, prompts=prompts, backend="vllm", engine="vllm",
+                        hardware="cpu", **extra)  # type: ignore[arg-type]
+
+    pools = (pool("fp32", "fp32", 1), pool("bf16", "bf16", 2), pool("fp8", "fp8_e4m3", 2),
+             pool("int8", "int8", 1), pool("topp", "bf16", 1, top_p=0.9))
+    return pools + ((pool("kv-fp8", "bf16", 1, kv_cache_dtype="fp8_e4m3"),) if kv_fp8 else ())
+
+
+def vllm_fleet(*, steps: int = 200, variant: Variant = "dense", seed: int = 0,
+               fault: FaultKind = "stop_sync", kv_fp8: bool = False) -> SimConfig:
+    """The vLLM pools, trained with token TIS; at ``steps // 2`` the bf16 pool develops ``fault``
+    (``stop_sync``: its syncs are skipped; ``sync_no_reset``: weights reload without the
+    prefix-cache reset; ``wrong_weights``: it is sent the warm-start weights)."""
+    if variant != "dense":
+        raise ValueError(f"expected variant 'dense' for vllm_fleet (MoE routing capture from vLLM is "
+                         f"not wired yet), got {variant!r}")
+    spec = FaultSpec(fault, steps // 2)
+    pools = tuple(replace(p, faults=(spec,)) if p.name == "bf16" else p for p in vllm_pools(kv_fp8=kv_fp8))
+    return SimConfig(seed=seed, pools=pools, policy=PolicyShape(variant=variant, **VLLM_POLICY),
+                     task=StringTask(preamble=VLLM_PREAMBLE), correction="tis")
+
+
 SCENARIOS: Mapping[str, Callable[..., SimConfig]] = MappingProxyType({
     "stable_fleet": stable_fleet,
     "fault_midrun": fault_midrun,
     "collapse_no_correction": collapse_no_correction,
+    "vllm_fleet": vllm_fleet,
 })
 
 

@@ -7,7 +7,9 @@
 
 Each step: every pool syncs the weights its pipeline would hold (``lag`` updates old, frozen
 by a ``stop_sync`` fault, reloaded by :meth:`Simulation.resync`), samples its prompts, the
-trainer re-scores every dialogue in fp32, and one GRPO update follows.
+trainer re-scores every dialogue in fp32, and one GRPO update follows. Pools with
+``backend="vllm"`` are real in-process vLLM engines (``vllm_pool``), synced through vLLM's own
+weight-reload API; :meth:`Simulation.close` stops them.
 """
 
 from __future__ import annotations
@@ -88,14 +90,31 @@ class Simulation:
                                correction=config.correction, thresholds=config.thresholds)
         depth = 1 + max(p.lag for p in config.pools)
         self._history: deque[tuple[int, dict[str, torch.Tensor]]] = deque([(0, self.trainer.state())], maxlen=depth)
-        self.samplers = {p.name: PoolSampler(p, self._model_config, tok) for p in config.pools}
+        self._initial_state = self.trainer.state()    # what a wrong_weights fault sends
+        self.samplers = {p.name: self._sampler(p) for p in config.pools}
+        self.sync_events: list[dict[str, object]] = []
+        self.probe_engine_info: dict[str, dict[str, object]] = {}
         self._resync: set[str] = set()
+        for spec in config.pools:     # engines start now, so a run records what they really run
+            if spec.backend == "vllm":
+                self.samplers[spec.name].load(self._initial_state, 0, spec.precision_at(0))
         self._step = 0
 
     # ------------------------------------------------------------------ public
     def pool_metadata(self) -> dict[str, dict[str, str]]:
         """Pool name -> hardware / precision / engine labels (what ``run.json`` records)."""
         return {p.name: p.metadata() for p in self.config.pools}
+
+    def engine_info(self) -> dict[str, dict[str, object]]:
+        """Pool name -> what its engine actually runs (vLLM pools: engine, version, dtype,
+        quantization and methods as applied, KV-cache dtype, load time); empty before step 0."""
+        return {name: dict(s.engine_info) for name, s in self.samplers.items() if getattr(s, "engine_info", None)}
+
+    def close(self) -> None:
+        """Stop the pools' engines (vLLM pools hold one each)."""
+        for sampler in self.samplers.values():
+            if hasattr(sampler, "close"):
+                sampler.close()
 
     def resync(self, pool: str | None = None) -> None:
         """Push the trainer's current weights to ``pool`` (every pool when None) before the next step."""
@@ -151,28 +170,40 @@ class Simulation:
 
         Each probe pool holds the weights its ``lag`` gives at the current trainer version (as
         far back as the kept history reaches) in its format at the current step. For
-        measurements that compare numeric paths on identical prompts.
+        measurements that compare numeric paths on identical prompts. vLLM probe pools start an
+        engine each, stopped afterwards; what each ran is left in :attr:`probe_engine_info`.
         """
         states = dict(self._history)
         version = self.trainer.version
         rollouts, specs, all_episodes = [], [], []
         for index, spec in enumerate(pools):
-            sampler = PoolSampler(spec, self._model_config, self.tokenizer)
+            sampler = self._sampler(spec)
             target = max(version - spec.lag, min(states))
             sampler.load(states[target], target, spec.precision_at(self._step))
             rollouts += self._rollout(sampler, list(episodes), _seed(seed, 4, index), self._step)
             specs += [spec] * len(episodes)
             all_episodes += list(episodes)
+            if spec.backend == "vllm":
+                self.probe_engine_info[spec.name] = dict(sampler.engine_info)  # type: ignore[attr-defined]
+                sampler.close()  # type: ignore[attr-defined]
         with torch.no_grad():
             return self._score(rollouts, specs, all_episodes, None, version)[3]
 
     # ------------------------------------------------------------------ internals
+    def _sampler(self, spec: PoolSpec) -> "PoolSampler":
+        if spec.backend == "vllm":
+            from .vllm_pool import VllmPoolSampler    # vllm is imported only there
+
+            return VllmPoolSampler(spec, self._model_config, self.tokenizer)  # type: ignore[return-value]
+        return PoolSampler(spec, self._model_config, self.tokenizer)
+
     def _sync(self, step: int, version: int) -> None:
         states = dict(self._history)
         oldest = min(states)
         for spec in self.config.pools:
             sampler = self.samplers[spec.name]
-            if spec.name in self._resync:
+            resync = spec.name in self._resync
+            if resync:
                 target = version
             elif sampler.version < 0:
                 target = max(version - spec.lag, oldest)
@@ -181,11 +212,25 @@ class Simulation:
             else:                                                     # async pipeline, never backwards
                 target = max(version - spec.lag, oldest, sampler.version)
             precision = spec.precision_at(step)
-            if target != sampler.version or precision != sampler.precision:
+            if target != sampler.version or precision != sampler.precision or resync:
                 state = states.get(target)
                 if state is None:                                     # stuck weights, new format
                     state = sampler.held_state
-                sampler.load(state, target, precision)
+                kind = "resync" if resync else "sync"
+                if not resync and sampler.version >= 0 and spec.wrong_weights_at(step):
+                    state, kind = self._initial_state, "sync_wrong_weights"
+                options = {}
+                if spec.backend == "vllm":
+                    reset = resync or sampler.version < 0 or not spec.skips_cache_reset_at(step)
+                    options["reset_prefix_cache"] = reset
+                    kind += "" if reset else "_no_cache_reset"
+                t0 = time.perf_counter()
+                sampler.load(state, target, precision, **options)
+                self.sync_events.append({"step": step, "pool": spec.name, "version": target, "kind": kind,
+                                         "seconds": time.perf_counter() - t0})
+            elif spec.sync_stopped_at(step) and target < version - spec.lag:
+                self.sync_events.append({"step": step, "pool": spec.name, "version": target,
+                                         "kind": "sync_skipped", "seconds": 0.0})
         self._resync.clear()
 
     def _rollout(self, sampler: PoolSampler, episodes: list[Episode], seed: int, step: int) -> list[Rollout]:

@@ -47,6 +47,7 @@ class Episode:
 
     source: str
     ops: tuple[str, ...]
+    preamble: str = ""
 
     @property
     def env(self) -> str:
@@ -54,7 +55,7 @@ class Episode:
         return OP_NAMES[self.ops[0]]
 
     def prompt(self) -> str:
-        return f"{self.ops[0]}{self.source}="
+        return f"{self.preamble}{self.ops[0]}{self.source}="
 
     @staticmethod
     def follow_up(op: str) -> str:
@@ -86,12 +87,15 @@ class StringTask:
         min_length, max_length: source letters per episode (inclusive).
         turns: answers per episode (1 = single-turn).
         ops: the ops prompts are drawn from.
+        preamble: text every prompt starts with (after BOS), like a system prompt shared by all
+            requests; it gives an inference engine's prefix cache something to reuse.
     """
 
     min_length: int = 3
     max_length: int = 14
     turns: int = 1
     ops: tuple[str, ...] = (">", "<", "^")
+    preamble: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -113,7 +117,7 @@ class StringTask:
         letters = torch.randint(0, len(alphabet), (n, self.max_length), generator=generator)
         ops = torch.randint(0, len(self.ops), (n, self.turns), generator=generator)
         return [Episode("".join(alphabet[j] for j in letters[i, : lengths[i]].tolist()),
-                        tuple(self.ops[j] for j in ops[i].tolist())) for i in range(n)]
+                        tuple(self.ops[j] for j in ops[i].tolist()), self.preamble) for i in range(n)]
 
     def demonstration(self, episode: Episode, tokenizer: CharTokenizer) -> tuple[list[int], list[int]]:
         """Token ids of the whole reference dialogue and its response mask (1 = answer token)."""

@@ -40,6 +40,11 @@ class CharTokenizer:
         object.__setattr__(self, "_ids", {t: i for i, t in enumerate(tokens)})
 
     @property
+    def tokens(self) -> tuple[str, ...]:
+        """Every token, in id order (what a Hugging Face vocabulary of the same ids is built from)."""
+        return self._tokens
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tokens)
 

@@ -1,0 +1,194 @@
+"""A sampler pool served by a real in-process vLLM engine (``PoolSpec(backend="vllm")``).
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the multi-process engine
+takes minutes to start on a small CPU), eager, with a small KV cache. It is started from a model
+directory written from the trainer's weights in the pool's format (see ``vllm_checkpoint``) and
+synced after that the way RL frameworks sync vLLM: ``collective_rpc("reload_weights",
+weights_iterator=...)`` followed by ``reset_prefix_cache()``. A sync can skip the reset (a real
+fleet fault: prompts whose prefix is cached keep the old weights' KV).
+
+Log-probs are vLLM's ``processed_logprobs`` of each sampled token: after temperature, top-k and
+top-p, renormalised over the kept set (what TRL's colocate mode uses). vllm is imported only in
+this module, on the first engine.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from transformers import PretrainedConfig
+
+from .pools import PoolSpec
+from .sampler import Rollout
+from .task import Episode
+from .tokenizer import CharTokenizer
+from .vllm_checkpoint import ENGINE_FORMAT, checkpoint_weights, write_model_dir
+
+KV_CACHE_BYTES = 64 << 20
+# vLLM caches prompt prefixes in whole KV blocks; the CPU default (128 tokens) is longer than any
+# toy prompt, which would leave the prefix cache (and the fault of not resetting it) unused; the
+# CPU attention takes multiples of 32
+BLOCK_SIZE = 32
+
+
+def _linear_methods(model: torch.nn.Module) -> dict[str, int]:
+    """How many layers use each quantization method: what the engine really applied."""
+    return dict(Counter(type(m.quant_method).__name__ for m in model.modules()
+                        if getattr(m, "quant_method", None) is not None))
+
+
+def _vllm() -> Any:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import vllm
+
+    return vllm
+
+
+class VllmPoolSampler:
+    """Same interface as :class:`~mismatch_monitor.sim.sampler.PoolSampler`, on a vLLM engine."""
+
+    def __init__(self, spec: PoolSpec, config: PretrainedConfig, tokenizer: CharTokenizer) -> None:
+        if spec.backend != "vllm":
+            raise ValueError(f"expected a pool with backend='vllm', got {spec.backend!r}")
+        self.spec = spec
+        self._config = config
+        self._tokenizer = tokenizer
+        self._llm: Any = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self.precision: str | None = None
+        self.version = -1
+        self.held_state: dict[str, torch.Tensor] = {}
+        self.engine_info: dict[str, Any] = {}
+        self.sync_seconds: list[float] = []
+        self.generate_seconds = 0.0
+        self.generated_tokens = 0
+
+    # ------------------------------------------------------------------ weights
+    def load(self, state: Mapping[str, torch.Tensor], version: int, precision: str, *,
+             reset_prefix_cache: bool = True) -> None:
+        """Send the trainer's fp32 ``state`` (weights ``version``) to the engine in ``precision``."""
+        if self.precision is not None and precision != self.precision:
+            raise ValueError(f"a vLLM pool keeps its format: started in {self.precision}, asked for {precision}")
+        if self._llm is None:
+            self._start(state, precision)
+        else:
+            t0 = time.perf_counter()
+            self._llm.collective_rpc("reload_weights",
+                                     kwargs={"weights_iterator": checkpoint_weights(state, precision)})
+            if reset_prefix_cache:
+                self._llm.reset_prefix_cache()
+            self.sync_seconds.append(time.perf_counter() - t0)
+        self._llm.llm_engine.set_weight_version(str(version))
+        self.held_state = dict(state)
+        self.version = version
+
+    def _start(self, state: Mapping[str, torch.Tensor], precision: str) -> None:
+        vllm = _vllm()
+        dtype, online = ENGINE_FORMAT[precision]
+        self._dir = tempfile.TemporaryDirectory(prefix=f"vllm-pool-{self.spec.name}-")
+        model_dir = write_model_dir(Path(self._dir.name), self._config, self._tokenizer, state, precision)
+        threads = torch.get_num_threads()
+        t0 = time.perf_counter()
+        self._llm = vllm.LLM(model=str(model_dir), dtype=dtype, quantization=online,
+                             kv_cache_dtype=self.spec.kv_cache_dtype, enforce_eager=True,
+                             kv_cache_memory_bytes=KV_CACHE_BYTES, block_size=BLOCK_SIZE,
+                             max_model_len=self._config.max_position_embeddings,
+                             logprobs_mode="processed_logprobs", seed=0, disable_log_stats=True)
+        seconds = time.perf_counter() - t0
+        self._probe(precision)
+        torch.set_num_threads(threads)       # the CPU worker may bind its own thread count
+        engine = self._llm.llm_engine.vllm_config
+        methods = self._llm.apply_model(_linear_methods)[0]
+        quantized = sum(n for name, n in methods.items() if "Linear" in name and not name.startswith("Unquantized"))
+        self.precision = precision
+        self.engine_info = {
+            "engine": "vllm", "version": vllm.__version__, "dtype": str(engine.model_config.dtype).removeprefix("torch."),
+            "quantization": engine.model_config.quantization or "none", "linear_methods": methods,
+            "quantized_layers": quantized, "kv_cache_dtype": engine.cache_config.cache_dtype,
+            "prefix_caching": bool(engine.cache_config.enable_prefix_caching),
+            "block_size": engine.cache_config.block_size, "logprobs_mode": engine.model_config.logprobs_mode,
+            "load_seconds": round(seconds, 3),
+        }
+        if precision not in ("fp32", "fp16", "bf16") and quantized == 0:
+            raise RuntimeError(f"pool {self.spec.name}: vLLM quantized no layer for {precision} "
+                               f"(methods {methods}); refusing a pool labelled {precision} that is not")
+
+    def _probe(self, precision: str) -> None:
+        """One token through the engine: a format whose CPU kernel this build lacks (int4 W4A16
+        without AVX-512, for one) fails here with a clear message, not in the middle of a step."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        try:
+            self._llm.generate([TokensPrompt(prompt_token_ids=[self._tokenizer.bos_id])],
+                               SamplingParams(max_tokens=1), use_tqdm=False)
+        except Exception as exc:
+            raise RuntimeError(f"pool {self.spec.name}: vLLM cannot run {precision} on this CPU "
+                               f"({type(exc).__name__}: {exc})") from exc
+
+    # ------------------------------------------------------------------ sampling
+    def rollout(self, episodes: list[Episode], *, temperature: float, max_new_tokens: int,
+                seed: int, ignore_temperature: bool = False) -> list[Rollout]:
+        """Generate every turn of ``episodes`` (the engine's per-request seeds derive from ``seed``)."""
+        if self._llm is None:
+            raise RuntimeError("expected load() before rollout()")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        tok, spec = self._tokenizer, self.spec
+        temp = 1.0 if ignore_temperature else temperature
+        contexts = [[tok.bos_id] + tok.encode(ep.prompt()) for ep in episodes]
+        parts: list[list[dict[str, torch.Tensor]]] = [[] for _ in episodes]
+        answers: list[list[str]] = [[] for _ in episodes]
+        versions: set[str] = set()
+        for turn in range(len(episodes[0].ops)):
+            if turn > 0:
+                for i, ep in enumerate(episodes):
+                    contexts[i] = contexts[i] + tok.encode(Episode.follow_up(ep.ops[turn]))
+            params = [SamplingParams(temperature=temp, top_p=spec.top_p, top_k=spec.top_k,
+                                     max_tokens=max_new_tokens, logprobs=0, detokenize=False,
+                                     stop_token_ids=[tok.eos_id],
+                                     seed=(seed + 7919 * turn + 104729 * i) % (1 << 31))
+                      for i in range(len(episodes))]
+            t0 = time.perf_counter()
+            outs = self._llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params,
+                                      use_tqdm=False)
+            self.generate_seconds += time.perf_counter() - t0
+            for i, out in enumerate(outs):
+                done = out.outputs[0]
+                new_ids = list(done.token_ids)
+                n = len(new_ids)
+                self.generated_tokens += n
+                logprobs = torch.tensor([step[t].logprob for step, t in zip(done.logprobs, new_ids)],
+                                        dtype=torch.float32)
+                versions.update(span.version for span in (done.weight_versions or ()))
+                fill = torch.nan if spec.truncates else 0.0        # the kept mass is not reported
+                parts[i].append({"logprobs": logprobs, "kept_logmass": torch.full((n,), fill),
+                                 "positions": torch.arange(len(contexts[i]), len(contexts[i]) + n),
+                                 "turns": torch.full((n,), turn, dtype=torch.int64)})
+                answers[i].append(tok.decode(new_ids))
+                contexts[i] = contexts[i] + new_ids
+        if versions and versions != {str(self.version)}:
+            raise RuntimeError(f"pool {spec.name}: engine reports weight versions {sorted(versions)}, "
+                               f"expected {self.version}")
+        return [self._assemble(contexts[i], parts[i], answers[i]) for i in range(len(episodes))]
+
+    def _assemble(self, ids: list[int], parts: list[dict[str, torch.Tensor]], answers: list[str]) -> Rollout:
+        cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        return Rollout(ids=ids, positions=cat["positions"], turns=cat["turns"],
+                       sampler_logprobs=cat["logprobs"], experts=None, kept=None,
+                       kept_logmass=cat["kept_logmass"], answers=answers, policy_version=self.version)
+
+    def close(self) -> None:
+        """Drop the engine and its model directory."""
+        self._llm = None
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
