@@ -8,6 +8,7 @@ Computation runs on the batch's device; the returned tables live on the CPU.
 
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from .slicing import Cells, assign_cells, bucket_table, dimension_names
 from .stats import MismatchStats, empty_table, merge
 from .tables import JointBins, lowprob_table, np_, sequence_tables, sparse, sparse_columns, token_table
 from .regions import Regions
+from .accumulators import TokenAccumulators, packed_copy
 from .token_pass import token_pass
 
 __all__ = ["compute_stats", "compute_stats_with_sequences", "SequenceValues", "MismatchStats", "merge",
@@ -59,8 +61,10 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
         zeros = torch.zeros(batch.num_sequences, device=batch.device)
         return (MismatchStats.empty(dims, config.stats_parameters()),
                 SequenceValues(zeros.double(), zeros.double(), zeros.long()))
-    cells = assign_cells(batch, config)
-    acc = token_pass(batch, cells, config, workers=workers)
+    device_cells = cells = assign_cells(batch, config)
+    device_batch = batch
+    on_device = token_pass(batch, cells, config, workers=workers)
+    acc, cells, batch = _on_host(on_device, cells, batch)      # what the tables read, on the CPU
     C = cells.num_token_cells
     NL = len(config.lowprob_edges) + 1
     joint = JointBins(acc, C, NL, Regions.from_config(config))
@@ -73,7 +77,7 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     try:
         hist_rows = (pool.submit if pool else _now)(
             sparse_columns, "abs_hist", dims, keys, NB, "bin", {"count": hist}, hist)
-        routing, per_layer = _routing(batch, cells, config)
+        routing, per_layer = _routing(device_batch, device_cells, config)
         flips = None if per_layer is None else per_layer.ravel()
         arrays = {"tokens": token_table(acc, joint, keys, config, dims, routing)}
         tables = {
@@ -92,9 +96,25 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     tables["abs_hist"] = pd.DataFrame(arrays["abs_hist"], copy=False)
     tables = {name: tables[name] for name in TABLES}
     B = batch.num_sequences
-    values = SequenceValues(max_abs_lr=acc.seq_max_abs[:B], sum_lr=acc.seq_sum_lr[:B],
-                            n_valid=cells.seq_length - acc.seq_invalid[:B])
+    values = SequenceValues(max_abs_lr=on_device.seq_max_abs[:B], sum_lr=on_device.seq_sum_lr[:B],
+                            n_valid=device_cells.seq_length - on_device.seq_invalid[:B])
     return MismatchStats(tables, tuple(dims), config.stats_parameters(), arrays), values
+
+
+def _on_host(acc: TokenAccumulators, cells: Cells, batch: TokenBatch
+             ) -> tuple[TokenAccumulators, Cells, TokenBatch]:
+    """What the tables read, on the CPU, in one device-to-host copy (a GPU's step waits only
+    here): the accumulators, the cells' per-sequence arrays and the batch's per-sequence inputs.
+    The batch keeps its per-token tensors on the device (the routing counts read them there)."""
+    if batch.device.type == "cpu":
+        return acc, cells, batch
+    names = [f.name for f in dataclasses.fields(acc)]
+    extra = {k: getattr(batch, k) for k in ("advantages", "policy_version") if getattr(batch, k) is not None}
+    copied = packed_copy([getattr(acc, n) for n in names] + [cells.seq_cell, cells.seq_length] + list(extra.values()))
+    host_acc = TokenAccumulators(**dict(zip(names, copied)))
+    seq_cell, seq_length = copied[len(names):len(names) + 2]
+    host_cells = dataclasses.replace(cells, seq_cell=seq_cell, seq_length=seq_length)
+    return host_acc, host_cells, dataclasses.replace(batch, **dict(zip(extra, copied[len(names) + 2:])))
 
 
 def _now(fn, *args) -> Future:

@@ -76,11 +76,13 @@ class JointCoder:
                    region_bounds=torch.tensor(b, dtype=torch.float64, device=device),
                    slot_of_region=torch.tensor(regions.slots(), dtype=torch.int64, device=device))
 
-    def code(self, lr: torch.Tensor, abs_lr: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def code(self, lr: torch.Tensor, abs_lr: torch.Tensor, s: torch.Tensor, *, sync_free: bool = False
+             ) -> torch.Tensor:
         """[n] int64 from lr, |lr| and the sampler log-prob s (float64).
 
         ``torch.bucketize`` costs ~20 ns a token; counting edges with byte adds costs a few, and
-        only the rare lr outside the central regions need a binary search for their slot."""
+        only the rare lr outside the central regions need a binary search for their slot. Finding
+        those waits for their count: with ``sync_free`` (a GPU) every token is searched instead."""
         R = self.R
         if (len(self.log_edges) + 1) * R <= 256:
             code = (lr > 0).view(torch.uint8)                           # slot 0 or 1
@@ -89,6 +91,10 @@ class JointCoder:
             code = code.to(torch.int64)
         else:
             code = torch.bucketize(s, self.log_edge_tensor, right=True).mul_(R).add_((lr > 0).to(torch.int64))
+        if sync_free:
+            slot = self.slot_of_region[torch.bucketize(lr, self.region_bounds, right=False)]
+            outside = abs_lr >= self.outlier_abs
+            return code.add_(torch.where(outside, slot - (lr > 0).to(torch.int64), 0))
         # |lr| >= the nearer central bound flags every lr outside the central slots, and a few inside
         out = flat_nonzero(abs_lr >= self.outlier_abs)
         if out.numel():

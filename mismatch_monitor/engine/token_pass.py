@@ -10,13 +10,13 @@ which slow ``bincount`` several-fold.
 
 Invalid tokens (non-finite, or a log-prob above the tolerance) are routed to one extra "dump"
 cell and one extra "dump" sequence that are dropped at the end, so a single NaN never touches a
-statistic; a chunk without invalid tokens (checked with three reductions) skips the masks.
-Weights are float64 (``bincount`` with float32 weights accumulates in float32).
+statistic. Weights are float64 (``bincount`` with float32 weights accumulates in float32).
 
 On CPU tensors the compiled loop of ``native.py`` does the same pass in one read of the inputs
 (``MetricConfig.kernel``), without chunks, the sequences of one cell one after the other, and
-with ``workers`` the cells split between threads (``_native_pass``); the torch ops below are
-the implementation for every other device.
+with ``workers`` the cells split between threads (``_native_pass``); the torch ops of
+``torch_pass.py``, chunk by chunk, are the implementation for every other device (there
+without a wait for the device inside the loop).
 """
 
 from __future__ import annotations
@@ -30,69 +30,16 @@ import torch
 
 from ..batch import TokenBatch
 from ..config import MetricConfig
-from . import native
+from . import native, torch_pass
+from .accumulators import JOINT_SUMS, TokenAccumulators, token_validity  # noqa: F401 (the pass's types)
 from .histogram import LogBins
 from .ranges import sequence_ranges, split_by_cell
 from .regions import JointCoder
 from .slicing import Cells, bucket_table
 
-# float64 sums per joint bin, in this order
-JOINT_SUMS = ("lr", "lr2", "k3", "exp_abs", "rho2")
-
-
-@dataclass
-class TokenAccumulators:
-    """Dense accumulators for C token cells (+1 dump) and B sequences (+1 dump)."""
-
-    joint_n: torch.Tensor       # [(C + 1) * NL * R] int64, J = (cell * NL + lowprob) * R + slot
-    joint_sums: torch.Tensor    # [len(JOINT_SUMS), (C + 1) * NL * R] float64
-    abs_hist: torch.Tensor      # [(C + 1) * NB] int64 (int32 from the compiled pass, fewer than 2^31 tokens)
-    min_lr: torch.Tensor        # [C + 1] float64
-    max_lr: torch.Tensor        # [C + 1] float64
-    n_nonfinite: torch.Tensor   # [C + 1] int64
-    n_positive: torch.Tensor    # [C + 1] int64
-    n_support_known: torch.Tensor
-    n_support_mismatch: torch.Tensor
-    n_kept: torch.Tensor
-    sum_kept: torch.Tensor
-    seq_invalid: torch.Tensor   # [B + 1] int64 invalid tokens per sequence
-    seq_sum_lr: torch.Tensor    # [B + 1] float64
-    seq_sum_exp_abs: torch.Tensor
-    seq_max_abs: torch.Tensor
-
-    @classmethod
-    def zeros(cls, C: int, B: int, J: int, NB: int, device: torch.device,
-              hist_dtype: torch.dtype = torch.int64) -> "TokenAccumulators":
-        f64, i64 = torch.float64, torch.int64
-        z = lambda n, dt=i64: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
-        return cls(
-            joint_n=z(J), joint_sums=torch.zeros(len(JOINT_SUMS), J, dtype=f64, device=device),
-            abs_hist=z((C + 1) * NB, hist_dtype),
-            min_lr=torch.full((C + 1,), math.inf, dtype=f64, device=device),
-            max_lr=torch.full((C + 1,), -math.inf, dtype=f64, device=device),
-            n_nonfinite=z(C + 1), n_positive=z(C + 1), n_support_known=z(C + 1),
-            n_support_mismatch=z(C + 1), n_kept=z(C + 1), sum_kept=z(C + 1, f64),
-            seq_invalid=z(B + 1), seq_sum_lr=z(B + 1, f64), seq_sum_exp_abs=z(B + 1, f64),
-            seq_max_abs=z(B + 1, f64),
-        )
-
-    def sum_rows(self) -> dict[str, torch.Tensor]:
-        """The rows of ``joint_sums`` by name (``JOINT_SUMS``)."""
-        return dict(zip(JOINT_SUMS, self.joint_sums))
-
-    def merge_(self, other: "TokenAccumulators") -> None:
-        for name, value in vars(self).items():
-            o = getattr(other, name)
-            if name == "min_lr":
-                torch.minimum(value, o, out=value)
-            elif name in ("max_lr", "seq_max_abs"):
-                torch.maximum(value, o, out=value)
-            else:
-                value += o
-
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """Everything a chunk needs that does not depend on the chunk."""
 
     C: int
@@ -104,13 +51,14 @@ class _Plan:
     turn_table: torch.Tensor | None
     tol: float
     kernel: native.TokenKernel | None       # the compiled pass, when it runs
+    sync_free: bool                         # the torch ops never wait for the device (torch_pass.py)
 
     @property
     def J(self) -> int:
         return (self.C + 1) * self.NL * self.R
 
 
-def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
+def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> Plan:
     coder = JointCoder.build(config, batch.device)
     bins = LogBins.from_config(config)
     turn_table = None if batch.turn_index is None else bucket_table(config.turn_edges, batch.device)
@@ -121,70 +69,14 @@ def _plan(batch: TokenBatch, cells: Cells, config: MetricConfig) -> _Plan:
         kernel = native.TokenKernel.build(config, coder, bins, cells.num_turn_buckets,
                                           0 if turn_table is None else turn_table.numel() - 1,
                                           batch.num_sequences, cells.num_seq_cells)
-    return _Plan(
+    return Plan(
         C=cells.num_token_cells, B=batch.num_sequences, NL=len(config.lowprob_edges) + 1, R=coder.R,
         bins=bins, coder=coder, turn_table=turn_table, tol=config.positive_logprob_tol, kernel=kernel,
+        sync_free=torch_pass.sync_free(batch.device),
     )
 
 
-def token_validity(t: torch.Tensor, s: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bad-input policy per token: (finite on both sides, a finite log-prob above ``tol``).
-    A token is valid when finite and not positive; every other one is set aside and counted."""
-    finite = torch.isfinite(t) & torch.isfinite(s)
-    return finite, finite & ((t > tol) | (s > tol))
-
-
-def _pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: _Plan, start: int, stop: int,
-                ones: torch.Tensor) -> None:
-    f64 = torch.float64
-    t_in = batch.trainer_logprobs[start:stop]
-    s_in = batch.sampler_logprobs[start:stop]
-    seq = batch.seq_index[start:stop]
-    turn = None if batch.turn_index is None else batch.turn_index[start:stop]
-    cell = cells.token_cells(seq, turn, p.turn_table)               # [n] int64
-    ones = ones[: stop - start]
-    s = s_in.to(f64)
-    lr = t_in.to(f64) - s
-
-    # valid = finite on both sides and no log-prob above the tolerance; three reductions decide
-    # whether any token of the chunk needs setting aside (NaN fails every comparison)
-    clean = bool(torch.isfinite(lr.sum())) and bool(t_in.max() <= p.tol) and bool(s_in.max() <= p.tol)
-    token_cell = cell                                                # every token, valid or not
-    if not clean:
-        t = t_in.to(f64)
-        finite, positive = token_validity(t, s, p.tol)
-        valid = finite & ~positive
-        acc.n_nonfinite += torch.bincount(cell[~finite], minlength=p.C + 1)
-        acc.n_positive += torch.bincount(cell[positive], minlength=p.C + 1)
-        acc.seq_invalid += torch.bincount(seq[~valid], minlength=p.B + 1)
-        cell = torch.where(valid, cell, p.C)        # dump cell
-        seq = torch.where(valid, seq, p.B)          # dump sequence
-        lr = torch.where(valid, lr, 0.0)
-        s = torch.where(valid, s, 0.0)
-
-    _add_support(acc, batch, p, start, stop, token_cell, cell)
-
-    abs_lr = lr.abs()
-    joint = cell * (p.NL * p.R)
-    joint += p.coder.code(lr, abs_lr, s)
-    acc.joint_n.scatter_add_(0, joint, ones)
-
-    em1 = torch.expm1(lr)                     # rho - 1, accurate for tiny lr
-    exp_abs = torch.exp(abs_lr)
-    weights = (lr, lr * lr, em1 - lr, exp_abs, em1.add_(1.0).square_())
-    for j, w in enumerate(weights):
-        acc.joint_sums[j].scatter_add_(0, joint, w)
-
-    acc.min_lr.scatter_reduce_(0, cell, lr, "amin")
-    acc.max_lr.scatter_reduce_(0, cell, lr, "amax")
-    hist = p.bins.index(abs_lr).add_(cell * p.bins.num_bins)
-    acc.abs_hist.scatter_add_(0, hist, ones)
-
-    _add_per_sequence(acc, seq, lr, exp_abs)
-    acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
-
-
-def _native_pass(batch: TokenBatch, cells: Cells, p: _Plan, chunk: int, workers: int) -> TokenAccumulators:
+def _native_pass(batch: TokenBatch, cells: Cells, p: Plan, chunk: int, workers: int) -> TokenAccumulators:
     """The compiled pass. It needs no chunks (its memory does not grow with the tokens); up to
     ``workers`` threads, one per ``chunk`` tokens at least, take sequence cells of about equal
     tokens each into one set of accumulators: no cell and no sequence is two workers', so
@@ -236,37 +128,8 @@ def _native_pass(batch: TokenBatch, cells: Cells, p: _Plan, chunk: int, workers:
                 t, s = batch.trainer_logprobs[start:stop], batch.sampler_logprobs[start:stop]
                 finite, positive = token_validity(t.to(torch.float64), s.to(torch.float64), p.tol)
                 valid_cell = torch.where(finite & ~positive, cell, p.C)
-            _add_support(total, batch, p, start, stop, cell, valid_cell)
+            torch_pass.add_support(total, batch, p, start, stop, cell, valid_cell)
     return total
-
-
-def _add_support(acc: TokenAccumulators, batch: TokenBatch, p: _Plan, start: int, stop: int,
-                 token_cell: torch.Tensor, valid_cell: torch.Tensor) -> None:
-    """The optional support inputs of one chunk. ``token_cell``: the cell of every token;
-    ``valid_cell``: the same with invalid tokens in the dump cell (the kept log-mass counts
-    valid tokens only)."""
-    if batch.in_trainer_support is not None:
-        sup = batch.in_trainer_support[start:stop]
-        acc.n_support_known += torch.bincount(token_cell, minlength=p.C + 1)
-        acc.n_support_mismatch += torch.bincount(token_cell[~sup], minlength=p.C + 1)
-    if batch.sampler_kept_logmass is not None:
-        kept = batch.sampler_kept_logmass[start:stop].to(torch.float64)
-        has = torch.isfinite(kept)
-        kc = torch.where(has, valid_cell, p.C)
-        acc.n_kept += torch.bincount(kc, minlength=p.C + 1)
-        acc.sum_kept += torch.bincount(kc, weights=torch.where(has, kept, 0.0), minlength=p.C + 1)
-
-
-def _add_per_sequence(acc: TokenAccumulators, seq: torch.Tensor, lr: torch.Tensor, exp_abs: torch.Tensor) -> None:
-    """Per-sequence sums. Tokens usually come in runs of one sequence, where ``scatter_add_``
-    is slow (every add hits the same address); then sum each run first, in order."""
-    ids, lengths = torch.unique_consecutive(seq, return_counts=True)
-    if ids.numel() * 4 > seq.numel():           # short runs (shuffled tokens): scatter directly
-        acc.seq_sum_lr.scatter_add_(0, seq, lr)
-        acc.seq_sum_exp_abs.scatter_add_(0, seq, exp_abs)
-        return
-    acc.seq_sum_lr.index_add_(0, ids, torch.segment_reduce(lr, "sum", lengths=lengths))
-    acc.seq_sum_exp_abs.index_add_(0, ids, torch.segment_reduce(exp_abs, "sum", lengths=lengths))
 
 
 def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: int = 1) -> TokenAccumulators:
@@ -283,7 +146,7 @@ def token_pass(batch: TokenBatch, cells: Cells, config: MetricConfig, workers: i
         acc = TokenAccumulators.zeros(plan.C, plan.B, plan.J, plan.bins.num_bins, batch.device)
         ones = torch.ones(min(chunk, N), dtype=torch.int64, device=batch.device)
         for st in my_starts:
-            _pass_chunk(acc, batch, cells, plan, st, min(st + chunk, N), ones)
+            torch_pass.pass_chunk(acc, batch, cells, plan, st, min(st + chunk, N), ones)
         return acc
 
     if workers <= 1 or len(starts) < 2:
