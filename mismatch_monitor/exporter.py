@@ -101,7 +101,7 @@ class MismatchExporter:
         self.registry = CollectorRegistry() if registry is None else registry
         self._clock = clock
         self._bounds, self._last_bin = bucket_bounds(LogBins.from_config(self.config))
-        self._queue: list[tuple[int, float, MismatchStats]] = []
+        self._queue: list[tuple] = []           # ("step", step, wall, stats) or ("resync", pool)
         self._queue_lock = threading.Lock()     # held for an append or a swap only
         self._draining = False
         self._work_lock = threading.Lock()      # one merge at a time (background or scrape)
