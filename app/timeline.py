@@ -6,6 +6,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from mismatch_monitor.report_keys import label_text
+
 from .figures import (XAxis, add_series, color_map, finish, group_names, label, log_axis, spans_decades,
                       x_title)
 
@@ -29,9 +31,10 @@ def event_positions(series: pd.DataFrame, events: pd.DataFrame, metric: str, *, 
     lookup = {}
     if len(series) and metric in series.columns:
         pools = series["pool"] if "pool" in series.columns else pd.Series([None] * len(series))
-        for b, p, v in zip(series["step"], pools, series[metric]):
-            lookup[(int(b), None if pd.isna(p) else p)] = v
-    ev["y"] = [lookup.get((int(b), None if pd.isna(p) else p), np.nan) for b, p in zip(ev["bin"], ev["pool"])]
+        for b, p, v in zip(series["step"], pools, series[metric]):   # events name pools by label text
+            lookup[(int(b), label_text(None if pd.isna(p) else str(p)))] = v
+    ev["y"] = [np.nan if pd.isna(p) else lookup.get((int(b), p), np.nan)   # a null pool: a fleet-wide alert
+               for b, p in zip(ev["bin"], ev["pool"])]
     ev["y"] = ev["y"].astype("float64").fillna(pd.to_numeric(ev["value"], errors="coerce"))
     return ev
 

@@ -149,3 +149,17 @@ def test_the_collector_report_takes_its_label_limit(tmp_path):
     rest = np.concatenate(lrs[2:])
     assert report[report_key("mismatch/k3_kl", OTHER_TEXT)] == pytest.approx(k3(rest), rel=1e-9)
     assert report[MERGED_KEY] == 2
+
+
+def test_alert_markers_sit_on_the_line_of_the_pool_they_name():
+    import pandas as pd
+
+    from mismatch_monitor.app import timeline
+
+    series = pd.DataFrame({"step": [0, 0, 0], "pool": pd.array([None, "a/b", "c"], dtype="string"),
+                           "mismatch/ess": [0.1, 0.2, 0.3]})
+    events = pd.DataFrame({"step": [0, 0, 0], "pool": [label_text(None), label_text("a/b"), None],
+                           "value": [9.0, 9.0, 0.7]})
+    placed = timeline.event_positions(series, events, "mismatch/ess", first=0, width=1)
+    # the null pool's and a/b's events on their lines; a fleet-wide one (pool None) at its own value
+    assert placed["y"].tolist() == [0.1, 0.2, 0.7]
