@@ -41,7 +41,8 @@ class AlertEvent:
     wall_time: float
     alert: str
     severity: Severity
-    pool: str | None          # None for fleet-wide rules
+    pool: str | None          # the pool's label text (report_keys.parse_label_text reads the value
+                              # back; "%null": rows without a pool); None for fleet-wide rules
     state: State
     value: float              # the alert's value at this step (its last value when resolved)
     threshold: float
