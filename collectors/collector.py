@@ -38,8 +38,8 @@ from ..report_keys import flatten_report
 from ..store import RunWriter
 from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, close_and_log
 from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warnings, with_pool_labels
-from .distributed import DistributedReducer, distributed_world, launched_world
 from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
+from .distributed import DistributedReducer, distributed_world, launched_world
 from .errors import ErrorLog
 
 log = logging.getLogger("mismatch_monitor")
