@@ -24,8 +24,10 @@ from mismatch_monitor.metrics import METRICS, report_by_label
 from mismatch_monitor.report_keys import (MERGED_KEY, OTHER_TEXT, CardinalityWarning, flatten_report, label_text,
                                           parse_label_text, parse_report_key, report_key)
 
-labels = st.none() | st.text() | st.sampled_from(["", "/", "=", "unknown", "%null", "%empty", "%other", "%2F",
-                                                   "a/seq", "pool=a", "Grüße", "\n", "%", "%%", "池"])
+# any code point, lone surrogates and controls included
+labels = st.none() | st.text(st.characters(exclude_categories=())) | st.sampled_from(
+    ["", "/", "=", "unknown", "%null", "%empty", "%other", "%2F", "a/seq", "pool=a", "Grüße", "\n", "%", "%%",
+     "池", "\ud800", "%ED%A0%80"])
 
 
 @given(labels, labels)
