@@ -255,6 +255,64 @@ def test_sigterm_during_a_flush_waits_for_it_and_writes_the_rest(tmp_path):
     assert _raw_steps(run) == list(range(15))
 
 
+SYNC_FLUSH = """
+import sys, time
+from mismatch_monitor.config import MetricConfig
+from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.store import RunWriter
+from mismatch_monitor.store import writer as writer_module
+from synthetic import make_batch
+run = sys.argv[1]
+real = writer_module.write_parquet_atomic
+def slow(table, path):                 # the flush runs on the main thread: the signal lands in it
+    open(run + ".flushing", "w").close()
+    time.sleep(0.1)
+    real(table, path)
+writer_module.write_parquet_atomic = slow
+w = RunWriter(run, flush_every_steps=4, flush_every_seconds=1e9, background=False)
+stats = compute_stats(make_batch(0, sequences=6, max_len=12), MetricConfig(kernel="torch"))
+for step in range(6):
+    w.append_step(step, stats)         # steps 0-3 flush inside the 4th call
+time.sleep(120)
+"""
+
+
+def test_sigterm_inside_a_flush_on_the_main_thread_lets_it_finish_then_writes_the_rest(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", SYNC_FLUSH, str(run)], env=ENV, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not Path(str(run) + ".flushing").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+    steps = _raw_steps(run)
+    assert steps in (list(range(4)), list(range(6)))        # the flush it was in finished; nothing half
+    assert _index(run)["step"].tolist() == steps
+
+
+def test_handlers_are_installed_from_the_main_thread_only_and_given_back_on_close(tmp_path):
+    import threading
+
+    def mine(signum, frame):
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        made = []
+        t = threading.Thread(target=lambda: made.append(RunWriter(tmp_path / "thread")))
+        t.start()
+        t.join()
+        assert signal.getsignal(signal.SIGTERM) is mine        # untouched from another thread
+        made[0].close()
+        writer = RunWriter(tmp_path / "main")
+        assert signal.getsignal(signal.SIGTERM) is not mine    # chained in front of it
+        writer.close()
+        assert signal.getsignal(signal.SIGTERM) is mine        # and given back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_users_sigterm_handler_still_runs_after_the_flush(tmp_path):
     run = tmp_path / "run"
     proc = _child("user-handler", run, 5)
@@ -269,7 +327,9 @@ def test_a_pause_is_flushed_on_time_without_another_step(tmp_path):
     writer = RunWriter(run, config=CONFIG, flush_every_steps=1000, flush_every_seconds=0.3)
     for step in range(3):
         writer.append_step(step, _stats(), wall_time=float(step))
-    time.sleep(1.5)                                   # no step arrives
+    deadline = time.monotonic() + 30                  # no step arrives meanwhile
+    while writer.pending_steps and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert writer.pending_steps == 0
     assert _index(run)["step"].tolist() == [0, 1, 2]
     writer.close()

@@ -103,6 +103,15 @@ class _Pending:
         self.deferred = [d for d in self.deferred if d[1] not in gone]
         return dropped
 
+    def prune_built(self) -> None:
+        """Drop the rows of built tables whose append is no longer kept (dropped steps): a flush
+        that failed built them, and they would otherwise wait for a write that never takes them."""
+        kept = set(self.appends)
+        for table, entries in self.buffer.items():
+            for i, (step, append, df) in enumerate(entries):
+                if step is None and _APPEND in df.columns and not df[_APPEND].isin(kept).all():
+                    entries[i] = (step, append, df[df[_APPEND].isin(kept)])
+
     def step_range(self) -> str:
         steps = [row["step"] for row in self.steps]
         if not steps:

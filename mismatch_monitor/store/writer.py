@@ -257,6 +257,7 @@ class RunWriter:
             error.__cause__ = exc
             self._errors.append(error)
         self._bound()
+        self._pending.prune_built()
 
     def _succeeded(self, written: int) -> None:
         if self._faults.failing:
