@@ -177,6 +177,28 @@ def test_leaving_the_collector_on_a_full_disk_never_raises_and_counts_what_was_l
     assert _leftovers(run) == []
 
 
+def test_exemplar_rows_built_by_failed_flushes_go_with_their_dropped_steps(small_disk):
+    from mismatch_monitor.engine import compute_stats_with_sequences
+    from mismatch_monitor.exemplars import select_exemplars
+    from mismatch_monitor.store.pending import _APPEND
+
+    run = small_disk.path / "run"
+    writer = RunWriter(run, config=CONFIG, flush_every_steps=2, flush_every_seconds=1e9, background=False,
+                       max_buffered_steps=4, retry=Backoff(0.01, 0.01))
+    small_disk.fill()
+    for step in range(20):
+        batch = make_batch(step, sequences=6, max_len=12)
+        stats, per_seq = compute_stats_with_sequences(batch, CONFIG)
+        writer.append_step(step, stats, select_exemplars(batch, 4, CONFIG, per_seq))
+        time.sleep(0.02)                                       # every due flush is tried, and fails
+    pending = writer._pending
+    built = {int(a) for entries in pending.buffer.values() for s, _, df in entries
+             if s is None and _APPEND in df.columns for a in df[_APPEND]}
+    assert built and built <= set(pending.appends)             # no row of a dropped step is held
+    assert writer.dropped_steps == 16
+    writer.close(raise_errors=False)
+
+
 def test_ten_thousand_steps_on_a_full_disk_hold_only_the_bound(small_disk):
     run = small_disk.path / "run"
     stats = _stats()
