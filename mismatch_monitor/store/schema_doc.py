@@ -90,7 +90,8 @@ reducer add `rank`: an exemplar's `seq_index` counts within that rank's batch.
 One row per alert state change (`firing` or `resolved`) written by the in-process evaluator:
 `step`, `wall_time`, `alert`, `severity`, `pool`, `state`, `value`, `threshold`, `summary`,
 `description`, `runbook`, `resync`, `fix` (the remedy the data points at first) and `since_step`
-(the step the alert's condition started to hold).
+(the step the alert's condition started to hold). A pool is named by its label text, as Prometheus
+shows it (`%null` for rows logged without a pool; see `report_keys.py`), null for a fleet-wide alert.
 
 ## `errors`
 
