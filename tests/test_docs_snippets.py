@@ -277,3 +277,24 @@ def test_every_snippet_has_a_runner():
 @pytest.mark.parametrize("key", list(RUNNERS), ids=lambda k: f"{k[0]}:{k[1]}:{k[2]}")
 def test_snippet_runs_as_written(key, tmp_path, monkeypatch):
     RUNNERS[key](tmp_path, monkeypatch)
+
+
+def test_the_readmes_optional_fields_are_parameters_and_a_misspelt_one_raises(tmp_path):
+    """Each optional field the README names is a keyword of ``log_step``; a misspelt one (the
+    README: "a mistake in the call ... raises at once") raises even without strict mode."""
+    import inspect
+
+    from mismatch_monitor.collectors import MismatchCollector
+
+    text = (ROOT / "README.md").read_text()
+    paragraph = text[text.index("Optional fields:"):text.index("(`TokenBatch.from_flat`)")]
+    named = set(re.findall(r"`([a-z_]+)`", paragraph))
+    assert {"turn_index", "policy_version", "token_ids", "seq_ids"} <= named
+    params = set(inspect.signature(MismatchCollector.log_step).parameters)
+    assert named <= params, named - params
+    policy = TinyPolicy()
+    batch = Batch(policy, 0, ODD_POOLS)
+    with MismatchCollector(tmp_path / "run") as mc:
+        with pytest.raises(TypeError, match="trainer_logprob"):
+            mc.log_step(0, trainer_logprob=policy.logprobs(batch.tokens), sampler_logprobs=batch.rollout_logprobs,
+                        response_mask=batch.response_mask)
