@@ -74,6 +74,9 @@ HISTOGRAM = "mismatch_token_abs_log_ratio"
 LAST_STEP = "mismatch_last_step"
 LAST_STEP_TIME = "mismatch_last_step_timestamp_seconds"
 MERGED = "mismatch_label_values_merged"
+# steps queued for the background merge beyond which ``observe`` merges them itself (memory
+# stays bounded when steps come faster than the merge; nothing is dropped)
+QUEUE_LIMIT = 8
 ERRORS = "mismatch_exporter_errors"
 # |lr| bucket bounds wanted; each is moved to the nearest edge of the engine's log bins
 BUCKET_TARGETS: tuple[float, ...] = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -139,9 +142,12 @@ class MismatchExporter:
     def _enqueue(self, item: tuple) -> None:
         with self._queue_lock:
             self._queue.append(item)
+            behind = len(self._queue) > QUEUE_LIMIT
             start, self._draining = not self._draining, True
         if start:
             threading.Thread(target=self._drain, name="mismatch-exporter", daemon=True).start()
+        if behind:   # the thread cannot keep up: the caller waits instead of the queue growing
+            self.process_queued()
 
     def process_queued(self) -> int:
         """Merge every queued step and resync into the exported state now, in order (a scrape

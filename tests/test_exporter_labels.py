@@ -145,6 +145,37 @@ def test_observe_hands_the_work_to_a_background_thread(monkeypatch):
     assert reg.get_sample_value("mismatch_k3_kl_nats", {"pool": "b"}) == pytest.approx(k3(steps[3][1][1]), rel=1e-9)
 
 
+def test_observe_waits_instead_of_queueing_without_bound(monkeypatch):
+    gate, merged = threading.Event(), []
+    real = exporter_module.cells_of
+
+    def held(stats, admission):
+        assert gate.wait(30)
+        merged.append(threading.current_thread())
+        return real(stats, admission)
+
+    monkeypatch.setattr(exporter_module, "cells_of", held)
+    exporter = MismatchExporter()
+    stats = compute_stats(make_batch(["a"], [10])[0], CONFIG)
+    done = threading.Event()
+
+    def train() -> None:
+        for step in range(exporter_module.QUEUE_LIMIT + 2):   # the first is taken by the thread at once
+            exporter.observe(step, stats)
+        done.set()
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    assert not done.wait(1.0)                # past the limit, observe waits for the merge
+    assert len(exporter._queue) <= exporter_module.QUEUE_LIMIT + 1
+    gate.set()
+    trainer.join(30)
+    assert done.is_set()
+    assert exporter.registry.get_sample_value("mismatch_tokens_total", {"pool": "a", "hardware": "H100"}) == \
+        10 * (exporter_module.QUEUE_LIMIT + 2)            # nothing dropped
+    assert trainer in merged                 # the caller merged the backlog itself
+
+
 def test_a_step_that_fails_to_export_is_counted_and_logged(caplog):
     exporter = MismatchExporter()
     good, _ = make_batch(["a"], [10])
