@@ -9,6 +9,7 @@ import math
 import warnings
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from hypothesis import example, given
@@ -151,11 +152,14 @@ def test_the_collector_report_takes_its_label_limit(tmp_path):
     rest = np.concatenate(lrs[2:])
     assert report[report_key("mismatch/k3_kl", OTHER_TEXT)] == pytest.approx(k3(rest), rel=1e-9)
     assert report[MERGED_KEY] == 2
+    from mismatch_monitor import query
+
+    stored = query.aggregate(query.connect(), tmp_path / "run", "tokens", ["pool"], steps=(0, 0), per_step=False)
+    by_pool = {None if pd.isna(p) else p: n for p, n in zip(stored["pool"], stored["n_tokens"])}
+    assert by_pool == {"a": 40, "b": 30, "c": 20, None: 10}      # the store keeps every pool
 
 
 def test_alert_markers_sit_on_the_line_of_the_pool_they_name():
-    import pandas as pd
-
     from mismatch_monitor.app import timeline
 
     series = pd.DataFrame({"step": [0, 0, 0], "pool": pd.array([None, "a/b", "c"], dtype="string"),
