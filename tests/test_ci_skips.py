@@ -78,10 +78,17 @@ def test_every_skip_fails_in_ci(tiny: Path) -> None:
 
 def test_a_skipped_module_fails_in_ci(tiny: Path) -> None:
     """A module skipped at import (``importorskip`` of an engine) is a collection error: pytest
-    stops with its "interrupted" status, naming the module and the reason."""
+    stops with its "interrupted" status, naming the module and the reason; with the options
+    ``.ci/run`` passes, the other modules still run and the status is "tests failed"."""
     result = pytest_run(["test_tiny_module.py"], tiny, **{ENV: "1"})
     assert result.returncode == 2, result.stdout + result.stderr
     assert "ERROR test_tiny_module.py" in result.stdout and "no_such_engine_module" in result.stdout
+    ci_args = re.search(r'make test PYTEST_ARGS="([^"]*)"', (TESTS.parent / ".ci" / "run").read_text())
+    assert ci_args, ".ci/run no longer runs make test with PYTEST_ARGS"
+    (tiny / "test_tiny_ok.py").write_text("def test_ok():\n    pass\n")
+    result = pytest_run([*ci_args.group(1).split(), "test_tiny_module.py", "test_tiny_ok.py"], tiny, **{ENV: "1"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"1 passed, 1 error in", result.stdout), result.stdout
 
 
 def test_tools_absent_means_skipped_with_a_reason(tmp_path: Path) -> None:
