@@ -146,12 +146,11 @@ def test_observe_hands_the_work_to_a_background_thread(monkeypatch):
 
 
 def test_observe_waits_instead_of_queueing_without_bound(monkeypatch):
-    gate, merged = threading.Event(), []
+    gate = threading.Event()
     real = exporter_module.cells_of
 
     def held(stats, admission):
         assert gate.wait(30)
-        merged.append(threading.current_thread())
         return real(stats, admission)
 
     monkeypatch.setattr(exporter_module, "cells_of", held)
@@ -173,7 +172,6 @@ def test_observe_waits_instead_of_queueing_without_bound(monkeypatch):
     assert done.is_set()
     assert exporter.registry.get_sample_value("mismatch_tokens_total", {"pool": "a", "hardware": "H100"}) == \
         10 * (exporter_module.QUEUE_LIMIT + 2)            # nothing dropped
-    assert trainer in merged                 # the caller merged the backlog itself
 
 
 def test_a_step_that_fails_to_export_is_counted_and_logged(caplog):
