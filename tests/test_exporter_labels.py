@@ -124,11 +124,12 @@ def test_a_fleet_of_ten_thousand_pools_scrapes_in_bounded_size():
 
 
 def test_observe_hands_the_work_to_a_background_thread(monkeypatch):
-    gate, threads = threading.Event(), []
+    gate, entered, threads = threading.Event(), threading.Event(), []
     real = exporter_module.cells_of
 
     def held(stats, admission):
         threads.append(threading.current_thread())
+        entered.set()
         assert gate.wait(30)
         return real(stats, admission)
 
@@ -137,7 +138,8 @@ def test_observe_hands_the_work_to_a_background_thread(monkeypatch):
     steps = [make_batch(["a", "b"], [10, 20], seed=s) for s in range(4)]
     for s, (batch, _) in enumerate(steps):
         exporter.observe(s, compute_stats(batch, CONFIG))   # returns while the merge waits on the gate
-    assert threads and all(t is not threading.main_thread() for t in threads)
+    assert entered.wait(30)                          # the merge started, on another thread
+    assert all(t is not threading.main_thread() for t in threads)
     gate.set()
     reg = exporter.registry
     assert reg.get_sample_value("mismatch_last_step", {}) == 3         # the scrape took in every step
