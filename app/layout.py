@@ -32,7 +32,7 @@ def format_value(key: str, value: Any) -> str:
     if key.endswith(("fraction", "share", "flip_rate")):
         return f"{100.0 * v:.4g}%"
     unit = METRIC_BY_KEY[key].unit if key in METRIC_BY_KEY else ""
-    if unit in ("tokens", "sequences"):
+    if unit == "count":
         return f"{v:,.0f}"
     return f"{v:.4g}"
 

@@ -23,7 +23,12 @@ from .engine.fields import merge_rules
 from .engine.stats import merge_column, merge_total
 from .engine.histogram import QUANTILES, LogBins, quantiles_from_counts
 
-Unit = Literal["nats", "ratio", "tokens", "sequences", "steps", "log_ratio", ""]
+# "share": a fraction of tokens or sequences in [0, 1]; "ratio": a dimensionless ratio that is
+# not a share (ESS, chi^2, multiplicative error); "log-ratio": in units of lr = log pi - log mu
+Unit = Literal["nats", "share", "ratio", "count", "steps", "log-ratio"]
+# the format spec each unit is shown with unless a declaration names its own
+DEFAULT_FORMAT: dict[str, str] = {"nats": ".3g", "share": ".2%", "ratio": ".3g", "count": ",.0f",
+                                  "steps": ".3g", "log-ratio": ".3g"}
 Frame = pd.DataFrame
 
 
@@ -47,6 +52,11 @@ class Metric:
     label: str                    # short human label (dashboard, CLI)
     description: str
     fn: Callable[[Frame], np.ndarray] | None = None  # over summed columns; None for quantiles
+    format: str = ""              # format spec of a value; "" = the unit's DEFAULT_FORMAT
+
+    @property
+    def format_spec(self) -> str:
+        return self.format or DEFAULT_FORMAT[self.unit]
 
 
 def _t(key, unit, label, description, fn) -> Metric:
@@ -75,21 +85,21 @@ def _std_error(t: Frame) -> np.ndarray:
 
 
 METRICS: tuple[Metric, ...] = (
-    _t("mismatch/n_tokens", "tokens", "tokens", "valid tokens observed", lambda t: _f(t["n_tokens"])),
+    _t("mismatch/n_tokens", "count", "tokens", "valid tokens observed", lambda t: _f(t["n_tokens"])),
     _t("mismatch/k1_kl", "nats", "k1 KL", "mean(-lr): signed estimate of KL(mu||pi); sign and trend show drift",
        lambda t: -_div(t["sum_lr"], t["n_tokens"])),
     _t("mismatch/k2_kl", "nats", "k2 KL", "mean(lr^2) / 2", lambda t: _div(t["sum_lr2"], 2 * t["n_tokens"])),
     _t("mismatch/k3_kl", "nats", "k3 KL", "mean(rho - 1 - lr): low-variance, non-negative estimate of KL(mu||pi)",
        lambda t: _div(t["sum_k3"], t["n_tokens"])),
-    _t("mismatch/log_ratio/mean", "log_ratio", "mean log ratio", "signed mean of lr = log pi - log mu (drift)",
+    _t("mismatch/log_ratio/mean", "log-ratio", "mean log ratio", "signed mean of lr = log pi - log mu (drift)",
        lambda t: _div(t["sum_lr"], t["n_tokens"])),
-    _t("mismatch/log_ratio/std_error", "log_ratio", "std. error of mean lr",
+    _t("mismatch/log_ratio/std_error", "log-ratio", "std. error of mean lr",
        "standard error of the signed mean log ratio", _std_error),
-    _t("mismatch/log_ratio/min", "log_ratio", "min log ratio", "smallest lr", lambda t: _f(t["min_lr"])),
-    _t("mismatch/log_ratio/max", "log_ratio", "max log ratio", "largest lr", lambda t: _f(t["max_lr"])),
-    _t("mismatch/abs_log_ratio/mean", "log_ratio", "mean |lr|", "mean |log pi - log mu|",
+    _t("mismatch/log_ratio/min", "log-ratio", "min log ratio", "smallest lr", lambda t: _f(t["min_lr"])),
+    _t("mismatch/log_ratio/max", "log-ratio", "max log ratio", "largest lr", lambda t: _f(t["max_lr"])),
+    _t("mismatch/abs_log_ratio/mean", "log-ratio", "mean |lr|", "mean |log pi - log mu|",
        lambda t: _div(t["sum_abs_lr"], t["n_tokens"])),
-    _t("mismatch/abs_log_ratio/max", "log_ratio", "max |lr|", "largest |lr| (exact)",
+    _t("mismatch/abs_log_ratio/max", "log-ratio", "max |lr|", "largest |lr| (exact)",
        lambda t: _f(t["max_abs_lr"])),
     _t("mismatch/mult_prob_error", "ratio", "mult. prob. error", "mean exp(|lr|) >= 1 (NeMo-RL token_mult_prob_error)",
        lambda t: _div(t["sum_exp_abs_lr"], t["n_tokens"])),
@@ -102,46 +112,46 @@ METRICS: tuple[Metric, ...] = (
        lambda t: _ess(t["sum_rho"], t["sum_rho2"], t["n_tokens"])),
     _t("mismatch/ess_capped", "ratio", "ESS (capped)", "normalised ESS of min(rho, tis_cap)",
        lambda t: _div(np.square(_f(t["sum_rho_capped"])), t["n_tokens"] * t["sum_rho_capped2"])),
-    _t("mismatch/clip_high_fraction", "ratio", "clipped (rho > C)", "share of tokens with rho > tis_cap",
+    _t("mismatch/clip_high_fraction", "share", "clipped (rho > C)", "share of tokens with rho > tis_cap",
        lambda t: _div(t["n_clip_high"], t["n_tokens"])),
-    _t("mismatch/clip_low_fraction", "ratio", "clipped (rho <= 1/C)", "share of tokens with rho <= 1 / tis_cap",
+    _t("mismatch/clip_low_fraction", "share", "clipped (rho <= 1/C)", "share of tokens with rho <= 1 / tis_cap",
        lambda t: _div(t["n_clip_low"], t["n_tokens"])),
-    _t("mismatch/icepop_masked_fraction", "ratio", "IcePop masked", "share of tokens outside the IcePop band",
+    _t("mismatch/icepop_masked_fraction", "share", "IcePop masked", "share of tokens outside the IcePop band",
        lambda t: _div(t["n_outside_icepop"], t["n_tokens"])),
-    _t("mismatch/extreme_fraction", "ratio", "extreme share", "share of tokens outside the extreme band",
+    _t("mismatch/extreme_fraction", "share", "extreme share", "share of tokens outside the extreme band",
        lambda t: _div(t["n_extreme"], t["n_tokens"])),
-    _t("mismatch/routing/flip_rate", "ratio", "routing flip rate",
+    _t("mismatch/routing/flip_rate", "share", "routing flip rate",
        "share of (token, layer) whose top-k expert set differs", lambda t: _div(t["n_routing_flips"], t["n_routing_decisions"])),
-    _t("mismatch/routing/any_layer_flip_fraction", "ratio", "tokens with a flip",
+    _t("mismatch/routing/any_layer_flip_fraction", "share", "tokens with a flip",
        "share of tokens with at least one differing layer", lambda t: _div(t["n_tokens_any_flip"], t["n_routed_tokens"])),
-    _t("mismatch/support_mismatch_fraction", "ratio", "support mismatch",
+    _t("mismatch/support_mismatch_fraction", "share", "support mismatch",
        "share of sampled tokens outside the trainer's top-p/top-k kept set",
        lambda t: _div(t["n_support_mismatch"], t["n_support_known"])),
-    _t("mismatch/kept_logmass/mean", "log_ratio", "mean kept log-mass", "mean log S of the sampler's truncation",
+    _t("mismatch/kept_logmass/mean", "log-ratio", "mean kept log-mass", "mean log S of the sampler's truncation",
        lambda t: _div(t["sum_kept_logmass"], t["n_kept_logmass"])),
-    _t("mismatch/data_quality/nonfinite_tokens", "tokens", "non-finite tokens",
+    _t("mismatch/data_quality/nonfinite_tokens", "count", "non-finite tokens",
        "tokens set aside for a NaN or infinite log-prob", lambda t: _f(t["n_nonfinite"])),
-    _t("mismatch/data_quality/positive_logprob_tokens", "tokens", "positive log-prob tokens",
+    _t("mismatch/data_quality/positive_logprob_tokens", "count", "positive log-prob tokens",
        "tokens set aside for a log-prob above the tolerance", lambda t: _f(t["n_positive_logprob"])),
-    _s("mismatch/seq/n_sequences", "sequences", "sequences", "sequences with a valid token",
+    _s("mismatch/seq/n_sequences", "count", "sequences", "sequences with a valid token",
        lambda s: _f(s["n_sequences"])),
-    _s("mismatch/seq/log_ratio/mean", "log_ratio", "mean seq log ratio", "mean over sequences of sum_t lr",
+    _s("mismatch/seq/log_ratio/mean", "log-ratio", "mean seq log ratio", "mean over sequences of sum_t lr",
        lambda s: _div(s["sum_seq_lr"], s["n_sequences"])),
-    _s("mismatch/seq/log_ratio/min", "log_ratio", "min seq log ratio", "smallest sum_t lr",
+    _s("mismatch/seq/log_ratio/min", "log-ratio", "min seq log ratio", "smallest sum_t lr",
        lambda s: _f(s["min_seq_lr"])),
-    _s("mismatch/seq/log_ratio/max", "log_ratio", "max seq log ratio", "largest sum_t lr",
+    _s("mismatch/seq/log_ratio/max", "log-ratio", "max seq log ratio", "largest sum_t lr",
        lambda s: _f(s["max_seq_lr"])),
-    _s("mismatch/seq/mean_log_ratio/mean", "log_ratio", "mean geo. log ratio",
+    _s("mismatch/seq/mean_log_ratio/mean", "log-ratio", "mean geo. log ratio",
        "mean over sequences of mean_t lr (log geometric-mean ratio)", lambda s: _div(s["sum_seq_mean_lr"], s["n_sequences"])),
-    _s("mismatch/seq/max_abs_log_ratio/mean", "log_ratio", "mean seq max |lr|", "mean over sequences of max_t |lr|",
+    _s("mismatch/seq/max_abs_log_ratio/mean", "log-ratio", "mean seq max |lr|", "mean over sequences of max_t |lr|",
        lambda s: _div(s["sum_seq_max_abs_lr"], s["n_sequences"])),
-    _s("mismatch/seq/product_mask_fraction", "ratio", "product mask", "share of sequences a product-ratio mask drops",
+    _s("mismatch/seq/product_mask_fraction", "share", "product mask", "share of sequences a product-ratio mask drops",
        lambda s: _div(s["n_drop_product"], s["n_sequences"])),
-    _s("mismatch/seq/geometric_mask_fraction", "ratio", "geometric mask",
+    _s("mismatch/seq/geometric_mask_fraction", "share", "geometric mask",
        "share of sequences a geometric-mean-ratio mask drops", lambda s: _div(s["n_drop_geometric"], s["n_sequences"])),
-    _s("mismatch/seq/mult_error_mask_fraction", "ratio", "seq threshold mask",
+    _s("mismatch/seq/mult_error_mask_fraction", "share", "seq threshold mask",
        "share of sequences with mean exp(|lr|) above the threshold", lambda s: _div(s["n_drop_mult_error"], s["n_sequences"])),
-    _s("mismatch/seq/neg_adv_mask_fraction", "ratio", "neg.-advantage mask",
+    _s("mismatch/seq/neg_adv_mask_fraction", "share", "neg.-advantage mask",
        "share of sequences with advantages that the negative-advantage mask drops",
        lambda s: _div(s["n_drop_neg_adv"], s["n_adv_known"])),
     _s("mismatch/staleness/mean", "steps", "mean staleness", "mean trainer_version - policy_version",
@@ -149,12 +159,22 @@ METRICS: tuple[Metric, ...] = (
     _s("mismatch/staleness/max", "steps", "max staleness", "largest staleness",
        lambda s: _f(s["max_staleness"])),
 ) + tuple(
-    Metric(f"mismatch/abs_log_ratio/{name}", "abs_hist", "log_ratio", f"{name} |lr|",
+    Metric(f"mismatch/abs_log_ratio/{name}", "abs_hist", "log-ratio", f"{name} |lr|",
            f"{q:g} quantile of |lr| (nearest rank, within hist_relative_accuracy)")
     for name, q in QUANTILES
 )
 
 METRIC_BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
+
+
+def unit_of(metric_key: str) -> str:
+    """The unit of a metric key (see ``Unit``); KeyError for a key that is no metric."""
+    return METRIC_BY_KEY[metric_key].unit
+
+
+def format_of(metric_key: str) -> str:
+    """The format spec a value of the metric is shown with (``format(value, format_of(key))``)."""
+    return METRIC_BY_KEY[metric_key].format_spec
 
 
 def prometheus_name(key: str) -> str:
@@ -163,7 +183,7 @@ def prometheus_name(key: str) -> str:
     metric = METRIC_BY_KEY.get(key)
     name = re.sub(r"[^a-zA-Z0-9_]", "_", key.replace("/", "_"))
     name = name.replace("_fraction", "")
-    if metric is not None and metric.unit == "ratio" and not name.endswith("_ratio"):
+    if metric is not None and metric.unit in ("share", "ratio") and not name.endswith("_ratio"):
         name += "_ratio"
     if metric is not None and metric.unit == "nats":
         name += "_nats"
