@@ -75,7 +75,7 @@ $(VLLM_STAMP): $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-# the live demo on real in-process vLLM pools (bf16, fp8, int4 weights, fp8 KV cache, top-p)
+# the live demo on real in-process vLLM pools (fp32, fp16, bf16, FP8 W8A8, top-p)
 demo-vllm: install-vllm
 	$(VENV)/bin/mismatch-monitor demo --engine vllm --dashboard $(DEMO_ARGS)
 

@@ -203,7 +203,7 @@ def print_summary(result: RunResult) -> None:
     print(f"demo: {len(result.firing)} alert firing(s), {len(result.resyncs)} resync(s)"
           + (f": {', '.join(f'{p}@{s}' for s, p in result.resyncs[:8])}" if result.resyncs else ""))
     print(f"demo: run directory {result.run_dir.resolve()}\n")
-    summary.run(argparse.Namespace(run_dir=str(result.run_dir), worst=5))
+    summary.run(argparse.Namespace(run_dir=str(result.run_dir), worst=5, window=1))
 
 
 def _exporter(port: int | None) -> Any:

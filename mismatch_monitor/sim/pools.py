@@ -142,6 +142,9 @@ class PoolSpec:
             raise ValueError(f"pool {self.name}: lm_head, decode_batch and ship_kept_set are torch-pool options")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"expected kv_cache_dtype in ('auto', 'fp8_e4m3', 'fp8_e5m2'), got {self.kv_cache_dtype!r}")
+        if self.precision == "int8" and any(f.kind == "sync_no_reset" for f in self.faults):
+            raise ValueError(f"pool {self.name}: an int8 vLLM pool syncs by restarting its engine (a fresh, "
+                             "empty prefix cache), so sync_no_reset cannot happen to it")
         bad = [f.kind for f in self.faults if f.kind not in VLLM_FAULTS]
         if bad:
             raise ValueError(f"expected vLLM pool faults in {VLLM_FAULTS}, got {bad}")

@@ -74,15 +74,15 @@ def collapse_no_correction(*, steps: int = 200, variant: Variant = "dense", seed
 
 def vllm_pools(*, kv_fp8: bool = False) -> tuple[PoolSpec, ...]:
     """Real in-process vLLM engines on the host CPU, one format each (``hardware="cpu"``: these
-    numbers are measured, not reproduced): an fp32 control, bf16, online FP8 (W8A8), int8 W8A8,
-    a bf16 top-p pool, and with ``kv_fp8`` a bf16 pool with an FP8 KV cache (AVX-512 or AMX only;
-    int4 W4A16 pools need the same, which is why the default fleet has none)."""
+    numbers are measured, not reproduced): an fp32 control, fp16, bf16, online FP8 (W8A8), a bf16
+    top-p pool, and with ``kv_fp8`` a bf16 pool with an FP8 KV cache (AVX-512 or AMX only; int4
+    W4A16 pools need the same). No int8 pool: it syncs by restarting its engine (seconds a step)."""
     def pool(name: str, precision: str, prompts: int, **extra: object) -> PoolSpec:
         return PoolSpec(name, precision=precision, prompts=prompts, backend="vllm", engine="vllm",
                         hardware="cpu", **extra)  # type: ignore[arg-type]
 
-    pools = (pool("fp32", "fp32", 1), pool("bf16", "bf16", 2), pool("fp8", "fp8_e4m3", 2),
-             pool("int8", "int8", 1), pool("topp", "bf16", 1, top_p=0.9))
+    pools = (pool("fp32", "fp32", 1), pool("fp16", "fp16", 1), pool("bf16", "bf16", 2),
+             pool("fp8", "fp8_e4m3", 2), pool("topp", "bf16", 1, top_p=0.9))
     return pools + ((pool("kv-fp8", "bf16", 1, kv_cache_dtype="fp8_e4m3"),) if kv_fp8 else ())
 
 

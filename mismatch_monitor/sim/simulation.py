@@ -156,8 +156,11 @@ class Simulation:
         mask = padded.response_mask
         with torch.no_grad():
             entropy = float(-(logp.exp() * logp).sum(-1)[mask].mean())
-        token_adv = advantages.to(torch.float32).unsqueeze(1).expand_as(mask)[mask]
-        loss, grad_norm = self.trainer.update(token_lp[mask], padded.sampler_logprobs[mask], token_adv)
+        # a token whose sampler log-prob is not finite (a broken engine) gets no gradient: one bad
+        # pool must not turn the trainer's weights into NaN; the monitor counts those tokens
+        train = mask & torch.isfinite(padded.sampler_logprobs)
+        token_adv = advantages.to(torch.float32).unsqueeze(1).expand_as(mask)[train]
+        loss, grad_norm = self.trainer.update(token_lp[train], padded.sampler_logprobs[train], token_adv)
         self._history.append((self.trainer.version, self.trainer.state()))
         self._step += 1
         by_pool = {name: float(rewards[rows].mean()) for name, rows in padded.pool_rows.items()}

@@ -35,6 +35,9 @@ KV_CACHE_BYTES = 64 << 20
 # toy prompt, which would leave the prefix cache (and the fault of not resetting it) unused; the
 # CPU attention takes multiples of 32
 BLOCK_SIZE = 32
+# reload_weights of a compressed-tensors W8A8 int8 checkpoint gives NaN log-probs on vLLM 0.32's
+# CPU path (measured; the first load is fine), so an int8 pool syncs by starting a fresh engine
+RESTART_ON_SYNC = frozenset({"int8"})
 
 
 def _linear_methods(model: torch.nn.Module) -> dict[str, int]:
@@ -78,6 +81,11 @@ class VllmPoolSampler:
             raise ValueError(f"a vLLM pool keeps its format: started in {self.precision}, asked for {precision}")
         if self._llm is None:
             self._start(state, precision)
+        elif precision in RESTART_ON_SYNC:
+            t0 = time.perf_counter()
+            self.close()                  # a fresh engine has an empty prefix cache: nothing to reset
+            self._start(state, precision)
+            self.sync_seconds.append(time.perf_counter() - t0)
         else:
             t0 = time.perf_counter()
             self._llm.collective_rpc("reload_weights",
@@ -85,6 +93,7 @@ class VllmPoolSampler:
             if reset_prefix_cache:
                 self._llm.reset_prefix_cache()
             self.sync_seconds.append(time.perf_counter() - t0)
+            self._probe(precision, after="reload_weights")
         self._llm.llm_engine.set_weight_version(str(version))
         self.held_state = dict(state)
         self.version = version
@@ -115,23 +124,30 @@ class VllmPoolSampler:
             "prefix_caching": bool(engine.cache_config.enable_prefix_caching),
             "block_size": engine.cache_config.block_size, "logprobs_mode": engine.model_config.logprobs_mode,
             "load_seconds": round(seconds, 3),
+            "sync": "engine restart" if precision in RESTART_ON_SYNC else "reload_weights + reset_prefix_cache",
         }
         if precision not in ("fp32", "fp16", "bf16") and quantized == 0:
             raise RuntimeError(f"pool {self.spec.name}: vLLM quantized no layer for {precision} "
                                f"(methods {methods}); refusing a pool labelled {precision} that is not")
 
-    def _probe(self, precision: str) -> None:
+    def _probe(self, precision: str, after: str = "start") -> None:
         """One token through the engine: a format whose CPU kernel this build lacks (int4 W4A16
-        without AVX-512, for one) fails here with a clear message, not in the middle of a step."""
+        without AVX-512, for one) or weights a sync broke fail here with a clear message, not as
+        a step of NaN log-probs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         try:
-            self._llm.generate([TokensPrompt(prompt_token_ids=[self._tokenizer.bos_id])],
-                               SamplingParams(max_tokens=1), use_tqdm=False)
+            out = self._llm.generate([TokensPrompt(prompt_token_ids=[self._tokenizer.bos_id])],
+                                     SamplingParams(max_tokens=1, logprobs=0, detokenize=False), use_tqdm=False)
         except Exception as exc:
             raise RuntimeError(f"pool {self.spec.name}: vLLM cannot run {precision} on this CPU "
                                f"({type(exc).__name__}: {exc})") from exc
+        done = out[0].outputs[0]
+        value = done.logprobs[0][done.token_ids[0]].logprob
+        if not torch.isfinite(torch.tensor(value)):
+            raise RuntimeError(f"pool {self.spec.name}: {precision} engine gives a non-finite log-prob "
+                               f"({value}) after {after}")
 
     # ------------------------------------------------------------------ sampling
     def rollout(self, episodes: list[Episode], *, temperature: float, max_new_tokens: int,
@@ -187,7 +203,9 @@ class VllmPoolSampler:
                        kept_logmass=cat["kept_logmass"], answers=answers, policy_version=self.version)
 
     def close(self) -> None:
-        """Drop the engine and its model directory."""
+        """Stop the engine and drop its model directory."""
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
         self._llm = None
         if self._dir is not None:
             self._dir.cleanup()
