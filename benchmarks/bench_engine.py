@@ -16,7 +16,11 @@ Per size N (fp32 log-probs, 6 pools x 4 hardware x 8 length x 8 turn buckets = 1
             per-cell time is extrapolated to all cells (marked ``~``);
 * pandas  - ``groupby`` of the same per-slice statistics (exact quantiles included). Above
             ``--pandas-max`` tokens it is extrapolated linearly from the largest measured size
-            (marked ``~``).
+            (marked ``~``);
+* peer    - (``--peers``) verl-style rollout-correction scalars, unsliced, on a padded batch,
+            against ours from the same padded tensors (``peers.py``).
+
+``--device cuda`` runs the engine and the same baselines on a GPU instead (``engine_device.py``).
 
 The floor is measured at every thread count and the ratios use the fastest of them (the floor
 is a property of the machine). Peak extra memory of the engine is measured in a child process
@@ -296,6 +300,33 @@ def routing_bench(n_tokens: int, layers: int = 48, k: int = 8, experts: int = 12
                 gb=2 * te.numel() / 1e9)
 
 
+# ----------------------------------------------------------------------------- side by side with a peer
+
+def peer_table(slot_counts: list[int]) -> None:
+    """verl-style unsliced scalars against our full sliced suite, both from the same padded
+    tensors, one thread (peers.py); and our engine alone on the same tokens given flat."""
+    import peers
+
+    torch.set_num_threads(1)
+    print(f"\nside by side, padded [B, 4096] fp32, 1 thread: peer = verl-style unsliced scalars (eager torch); "
+          f"ours = TokenBatch.from_padded + compute_stats (every table)")
+    print(f"{'slots':>6} {'tokens':>7} {'peer ms':>8} {'ours ms':>8} {'ours/peer':>9} {'ours w=2':>8} "
+          f"{'w=2/peer':>8} {'flat eng':>8} {'flat/peer':>9} {'max rel diff':>12}")
+    for n in slot_counts:
+        p = peers.make_padded(n)
+        flat = p.batch()
+        peer_t = timed(lambda: peers.verl_style_metrics(p.trainer, p.sampler, p.mask), 5)
+        ours_t = timed(lambda: compute_stats(p.batch(), CONFIG), 5)
+        ours2_t = timed(lambda: compute_stats(p.batch(), CONFIG, workers=2), 5)
+        flat_t = timed(lambda: compute_stats(flat, CONFIG), 5)
+        diff = peers.check_against_ours(p, compute_stats(flat, CONFIG))
+        print(f"{fmt_size(n):>6} {fmt_size(p.tokens):>7} {peer_t * 1e3:8.1f} {ours_t * 1e3:8.1f} "
+              f"{ours_t / peer_t:9.2f} {ours2_t * 1e3:8.1f} {ours2_t / peer_t:8.2f} {flat_t * 1e3:8.1f} "
+              f"{flat_t / peer_t:9.2f} {diff:12.1e}", flush=True)
+        del p, flat
+        gc.collect()
+
+
 # ----------------------------------------------------------------------------- main
 
 def parse_size(text: str) -> int:
@@ -331,11 +362,18 @@ def main() -> None:
     ap.add_argument("--naive-cells", type=int, default=48, help="cells timed per size before extrapolating")
     ap.add_argument("--pandas-max", default="8M", help="largest N run through pandas; larger N extrapolated")
     ap.add_argument("--routing-tokens", default="1M", help="0 to skip the routing benchmark")
+    ap.add_argument("--peers", default="8M", help="padded slots per peer comparison (verl-style scalars, "
+                    "peers.py), comma-separated; 0 to skip")
+    ap.add_argument("--device", default="cpu", help="cuda (or cuda:N): run on that device instead (engine_device.py)")
     ap.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
         return memory_child(args.memory_child)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.device != "cpu":
+        import engine_device
+
+        return engine_device.run(sizes, args.device, args.naive_cells, CONFIG, make_data, read_floor, naive, fmt_size)
     threads = [int(t) for t in args.threads.split(",")]
     pandas_max = parse_size(args.pandas_max)
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, chunk_tokens={CONFIG.chunk_tokens}, "
@@ -391,6 +429,8 @@ def main() -> None:
         gc.collect()
     print("~ = extrapolated: naive from an evenly spaced subset of cells, pandas linearly from the largest run")
     print("naive/eng and pandas/eng use the faster engine time of the row (workers=1 or 2)")
+    if args.peers != "0":
+        peer_table([parse_size(x) for x in args.peers.split(",")])
     routing_n = parse_size(args.routing_tokens) if args.routing_tokens != "0" else 0
     if routing_n:
         torch.set_num_threads(1)
