@@ -69,8 +69,12 @@ class MetricConfig:
         chunk_tokens: tokens processed per pass; bounds the engine's extra memory.
         kernel: which implementation of the per-token loops runs: "auto" takes the compiled
             loops (built by ``pip install`` with a C compiler) for CPU tensors and torch ops
-            otherwise; "native" requires the compiled loops; "torch" always runs torch ops.
-            All compute the same statistics (see engine/native.py).
+            otherwise (on CPU tensors it warns once when it cannot take them, naming why and
+            the cost: the torch ops take ~4x as long); "native" requires the compiled loops;
+            "torch" always runs torch ops. All compute the same statistics (engine/native.py).
+            kernel and chunk_tokens change how the statistics are computed, not what they
+            mean: they are the only options stats of another config may differ in and still
+            merge or be read (``stats_parameters``).
     """
 
     tis_cap: float = 2.0
