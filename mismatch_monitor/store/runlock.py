@@ -55,7 +55,8 @@ class RunLock:
         deadline = time.monotonic() + wait_for_compaction
         while not self.try_acquire():
             holder = self.holder()
-            if holder.get("role") == "compaction" and time.monotonic() < deadline:
+            # a compaction holds it a moment; an empty text is a holder rewriting it right now
+            if holder.get("role", "compaction") == "compaction" and time.monotonic() < deadline:
                 time.sleep(0.02)
                 continue
             raise RunLocked(
