@@ -5,7 +5,8 @@ label values that are not plain pool names). Then what the snippet claims is che
 independent float64 reference or the stored run. A snippet without a runner here fails
 ``test_every_snippet_has_a_runner``, so a new one cannot go untested.
 
-Runtime: about 3 min (the simulator snippet trains 200 MoE steps; TRL and two gloo ranks ~20 s).
+Runtime: about 2 min on a quiet machine (the simulator snippet's 40 MoE steps and its warm start, TRL,
+two gloo ranks).
 """
 
 from __future__ import annotations
@@ -248,9 +249,13 @@ def integrations_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def simulator_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     ns = run_snippet(("SIMULATOR.md", "The simulator: a small RL system with genuine mismatch", 0), {})
-    idx = query.steps_index(query.connect(), tmp_path / "runs" / "sim")
-    assert len(idx) == 200 and (idx["n_tokens"] > 0).all() and not idx["collector_errors"].any()
+    run_dir = tmp_path / "runs" / "sim"
+    idx = query.steps_index(query.connect(), run_dir)
+    assert len(idx) == 40 and (idx["n_tokens"] > 0).all() and not idx["collector_errors"].any()
     assert len(ns["sim"].config.pools) > 1
+    alerts = query.rows(query.connect(), run_dir, "alerts")
+    resyncs = alerts[(alerts["state"] == "firing") & alerts["resync"].astype(bool)]
+    assert len(resyncs) and resyncs["step"].min() >= 20, alerts   # the fault's pool, once it starts
 
 
 def simulator_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
