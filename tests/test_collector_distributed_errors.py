@@ -2,7 +2,7 @@
 and the writer records why that rank's share is missing. A rank that skips a ``log_step`` is
 never merged into another step.
 
-Two gloo processes on 127.0.0.1 per test. Runtime ~25 s each.
+Two gloo processes on 127.0.0.1 per test. Runtime: ~30-50 s each on a 2-core machine.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ on a real tiny ``GRPOTrainer`` (fp32, CPU):
   the weights are the sampler's), and every stored lr is <= 0: the "log S" fingerprint.
 
 Also: continuous batching (no log-probs) and an unsupported TRL are refused when the trainer is
-built. Runtime: ~25 s.
+built. Runtime: ~60-80 s on a 2-core machine.
 """
 
 from __future__ import annotations
