@@ -235,3 +235,20 @@ def test_overview_says_when_there_is_no_error(tmp_path, monkeypatch):
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert any("counted no error" in s.value for s in at.success)
+
+
+def test_a_launcher_world_without_a_process_group_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """WORLD_SIZE=2 (torchrun, accelerate) but no process group: the default reducer waits for
+    the group instead of letting every rank write the run, and says what to do at the first step."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    run = tmp_path / "run"
+    mc = MismatchCollector(run)
+    assert mc.writer is None and not run.exists()          # nothing decided, nothing written yet
+    with pytest.raises(RuntimeError, match=r"WORLD_SIZE=2 .* torch.distributed is not initialised"):
+        mc.log_step(0, make_batch(0))
+    mc.close()
+    with MismatchCollector(tmp_path / "own", reducer=None, flush_every_steps=1) as own:   # one per process
+        assert own.log_step(0, make_batch(0))["mismatch/collector_errors"] == 0
+    monkeypatch.delenv("WORLD_SIZE")
+    with MismatchCollector(tmp_path / "single") as single:
+        assert single.reducer is None and single.writer is not None
