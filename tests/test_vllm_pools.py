@@ -5,8 +5,10 @@ trainer's weights. What is checked: each format's mismatch against the fp32 trai
 prompts, orders fp32 < fp16 < bf16 < (int8, fp8) and fp32 is at rounding level; a truncated
 pool's processed log-probs agree with the trainer's own renormalised top-p distribution; the
 engine reports the quantization it applied; a skipped sync and a sync without the prefix-cache
-reset each show in that pool only, and a resync (a real weight reload) restores it. Runtime:
-about 3-4 min on 2 loaded cores (engine starts and the warm start).
+reset each show in that pool only, and a resync (a real weight reload) restores it; a sync that
+breaks the weights (int8 reload_weights on the CPU) stops with the pool's name, and the int8
+pool's restart sync works. Runtime: 7.5 min on 2 cores at load average 11 (two warm starts and
+about fifteen engine starts); less on a quiet machine.
 """
 
 from __future__ import annotations
@@ -131,3 +133,31 @@ def test_sync_events_name_what_each_pool_received(faulted):
     assert kinds[(2, "skip")] == "sync_skipped" and kinds[(4, "skip")] == "resync"
     assert kinds[(2, "noreset")] == "sync_no_cache_reset" and kinds[(4, "noreset")] == "resync"
     assert kinds[(5, "noreset")] == "sync_no_cache_reset"
+
+
+def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkeypatch):
+    """reload_weights of a compressed-tensors int8 checkpoint gives NaN log-probs on the CPU: the
+    pool must say so at the sync (not feed NaN to the trainer), and its restart sync must work."""
+    from mismatch_monitor.sim import vllm_pool as pool_module
+    from mismatch_monitor.sim.policy import build_model, model_config
+    from mismatch_monitor.sim.tokenizer import CharTokenizer
+
+    tok = CharTokenizer("abcdefgh")
+    cfg = model_config(PolicyShape(**VLLM_POLICY), tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()}
+    episodes = StringTask().sample(4, torch.Generator().manual_seed(0), tok.alphabet)
+    spec = vllm_pool("int8", "int8")
+    sampler = pool_module.VllmPoolSampler(spec, cfg, tok)
+    try:
+        sampler.load(state, 0, "int8")
+        first = sampler.rollout(episodes, temperature=0.9, max_new_tokens=6, seed=0)
+        sampler.load(state, 1, "int8")                  # the restart sync
+        again = sampler.rollout(episodes, temperature=0.9, max_new_tokens=6, seed=0)
+        assert all(torch.equal(a.sampler_logprobs, b.sampler_logprobs) for a, b in zip(first, again))
+        assert sampler.engine_info["sync"] == "engine restart"
+        monkeypatch.setattr(pool_module, "RESTART_ON_SYNC", frozenset())
+        with pytest.raises(RuntimeError, match="non-finite log-prob .* after reload_weights"):
+            sampler.load(state, 2, "int8")
+    finally:
+        sampler.close()
