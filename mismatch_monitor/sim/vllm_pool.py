@@ -49,8 +49,10 @@ def _linear_methods(model: torch.nn.Module) -> dict[str, int]:
 def _vllm() -> Any:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import vllm
-
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"a vLLM pool needs vLLM, which is not importable ({exc}); run make install-vllm") from exc
     return vllm
 
 
