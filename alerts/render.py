@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mismatch_monitor.exporter import COUNTER_BY_FIELD, HISTOGRAM
+from mismatch_monitor.formulas import promql
+from mismatch_monitor.metric_defs import counter_ratios
 
 from .promql import Recording, duration
 from .definitions import DEFAULT_RULES
@@ -31,11 +33,9 @@ RULES_FILE = Path(__file__).with_name("mismatch_rules.yml")
 RULES_TEST_FILE = Path(__file__).with_name("mismatch_rules_test.yml")
 ALERTMANAGER_EXAMPLE = Path(__file__).with_name("alertmanager.example.yml")
 
-# (numerator field, denominator field) of each recorded ratio of counters
-RATIOS: tuple[tuple[str, str], ...] = (
-    ("n_clip_high", "n_tokens"), ("n_clip_low", "n_tokens"), ("n_outside_icepop", "n_tokens"),
-    ("n_extreme", "n_tokens"), ("n_routing_flips", "n_routing_decisions"),
-)
+# (numerator field, metric) of each recorded ratio of counters: the metrics declared with
+# counters=True whose formula is a ratio (metric_defs.py)
+RATIOS = counter_ratios()
 SHARES: tuple[str, ...] = ("n_tokens", "n_extreme")   # a pool's share of the fleet's count
 
 
@@ -58,11 +58,11 @@ def rate_rules(rate_window: str = "5m") -> list[dict[str, str]]:
         return f"rate({COUNTER_BY_FIELD[field].name}_total[{rate_window}])"
 
     out: list[dict[str, str]] = []
-    for num, den in RATIOS:
+    for num, metric in RATIOS:
         name = COUNTER_BY_FIELD[num].name
         for level, by in (("pool", "sum by (pool) "), ("hardware", "sum by (hardware) "), ("fleet", "sum ")):
-            out.append({"record": f"{level}:{name}:ratio_{suffix}",
-                        "expr": f"{by}({rate(num)}) / {by}({rate(den)})"})
+            series = {f: f"{by}({rate(f)})" for f in metric.formula.fields()}
+            out.append({"record": f"{level}:{name}:ratio_{suffix}", "expr": promql(metric.formula, series)})
     for field in SHARES:
         name = COUNTER_BY_FIELD[field].name
         out.append({"record": f"pool:{name}:fleet_share_{suffix}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from mismatch_monitor.app import data, figures, layout, loaders, state
+from mismatch_monitor.metrics import title_of
 
 view = state.current()
 
@@ -22,19 +23,7 @@ if layout.page_header("Corrections", view, "The share of tokens or sequences eac
             layout.empty("Steps were logged but none has an observation yet.")
             return
         c = d["config"]
-        titles = {
-            "mismatch/clip_high_fraction": f"TIS cap: tokens with ρ > {c.tis_cap:g}",
-            "mismatch/clip_low_fraction": f"TIS cap: tokens with ρ ≤ 1/{c.tis_cap:g}",
-            "mismatch/icepop_masked_fraction": f"IcePop: tokens outside [{c.icepop_band[0]:g}, {c.icepop_band[1]:g}]",
-            "mismatch/extreme_fraction": f"extreme band: tokens outside [{c.extreme_band[0]:g}, {c.extreme_band[1]:g}]",
-            "mismatch/seq/product_mask_fraction":
-                f"product mask: sequences outside [{c.seq_product_band[0]:g}, {c.seq_product_band[1]:g}]",
-            "mismatch/seq/geometric_mask_fraction":
-                f"geometric mask: sequences outside [{c.seq_geometric_band[0]:g}, {c.seq_geometric_band[1]:g}]",
-            "mismatch/seq/mult_error_mask_fraction":
-                f"sequence threshold: mean exp|log ρ| > {c.seq_mult_error_threshold:g}",
-            "mismatch/seq/neg_adv_mask_fraction": f"neg.-advantage mask: A < 0 and mean(-log ρ) > {c.neg_adv_delta:g}",
-        }
+        titles = {k: title_of(k, c) for k in loaders.CORRECTIONS}   # thresholds: the run's config
         st.subheader("Over the steps shown, per pool")
         st.dataframe(layout.metric_table(d["totals"], list(loaders.CORRECTIONS), ["pool"])
                      .rename(columns={layout.metric_label(k): titles[k] for k in loaders.CORRECTIONS}),

@@ -30,7 +30,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import numpy as np
@@ -43,31 +42,14 @@ from .engine import MismatchStats
 from .engine.histogram import LogBins
 from .export_cells import DIMS, Admission, Cell, Cells, cells_of, slice_metrics
 from .label_limits import LabelLimit
+from .metric_defs import CounterDef, counter_defs
 from .metrics import METRICS, prometheus_name
 from .report_keys import OTHER_TEXT
 
 log = logging.getLogger("mismatch_monitor")
 
-@dataclass(frozen=True)
-class CounterDef:
-    name: str      # exposed with the ``_total`` suffix
-    table: str     # engine table holding the field
-    field: str     # summed sufficient statistic (engine/fields.py)
-    doc: str
-
-
-COUNTERS: tuple[CounterDef, ...] = (
-    CounterDef("mismatch_tokens", "tokens", "n_tokens", "valid tokens observed"),
-    CounterDef("mismatch_nonfinite_tokens", "tokens", "n_nonfinite", "tokens set aside for a non-finite log-prob"),
-    CounterDef("mismatch_clipped_high_tokens", "tokens", "n_clip_high", "tokens with rho > tis_cap"),
-    CounterDef("mismatch_clipped_low_tokens", "tokens", "n_clip_low", "tokens with rho <= 1 / tis_cap"),
-    CounterDef("mismatch_icepop_masked_tokens", "tokens", "n_outside_icepop", "tokens outside the IcePop band"),
-    CounterDef("mismatch_extreme_tokens", "tokens", "n_extreme", "tokens outside the extreme band"),
-    CounterDef("mismatch_routing_decisions", "tokens", "n_routing_decisions", "(token, layer) routing decisions"),
-    CounterDef("mismatch_routing_flips", "tokens", "n_routing_flips",
-               "(token, layer) decisions whose top-k expert set differs"),
-    CounterDef("mismatch_sequences", "sequences", "n_sequences", "sequences with a valid token"),
-)
+# the summed fields of the metrics declared with counters=True (metric_defs.py)
+COUNTERS: tuple[CounterDef, ...] = counter_defs()
 COUNTER_BY_FIELD: dict[str, CounterDef] = {c.field: c for c in COUNTERS}
 RESYNC_COUNTER = "mismatch_resyncs"
 HISTOGRAM = "mismatch_token_abs_log_ratio"

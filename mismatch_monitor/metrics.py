@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -22,148 +22,13 @@ from .config import MetricConfig
 from .engine.fields import merge_rules
 from .engine.stats import merge_column, merge_total
 from .engine.histogram import QUANTILES, LogBins, quantiles_from_counts
+from .formulas import evaluate
+from .metric_defs import DEFAULT_FORMAT, METRICS, VIEW_METRICS, Metric, Unit
 
-# "share": a fraction of tokens or sequences in [0, 1]; "ratio": a dimensionless ratio that is
-# not a share (ESS, chi^2, multiplicative error); "log-ratio": in units of lr = log pi - log mu
-Unit = Literal["nats", "share", "ratio", "count", "steps", "log-ratio"]
-# the format spec each unit is shown with unless a declaration names its own
-DEFAULT_FORMAT: dict[str, str] = {"nats": ".3g", "share": ".2%", "ratio": ".3g", "count": ",.0f",
-                                  "steps": ".3g", "log-ratio": ".3g"}
+__all__ = ["DEFAULT_FORMAT", "METRICS", "METRIC_BY_KEY", "VIEW_METRICS", "Metric", "Unit", "derive", "format_of",
+           "prometheus_name", "report", "report_by_label", "title_of", "unit_of"]
+
 Frame = pd.DataFrame
-
-
-def _f(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.float64)
-
-
-def _div(num: pd.Series | np.ndarray, den: pd.Series | np.ndarray) -> np.ndarray:
-    """num / den where den > 0, else NaN (divides only there: no warning to silence)."""
-    num = np.asarray(num, dtype=np.float64)
-    den = np.asarray(den, dtype=np.float64)
-    out = np.full(np.broadcast_shapes(num.shape, den.shape), np.nan)
-    return np.divide(num, den, out=out, where=den > 0)
-
-
-@dataclass(frozen=True)
-class Metric:
-    key: str                      # hierarchical, e.g. "mismatch/k3_kl"
-    table: Literal["tokens", "sequences", "abs_hist"]
-    unit: Unit
-    label: str                    # short human label (dashboard, CLI)
-    description: str
-    fn: Callable[[Frame], np.ndarray] | None = None  # over summed columns; None for quantiles
-    format: str = ""              # format spec of a value; "" = the unit's DEFAULT_FORMAT
-
-    @property
-    def format_spec(self) -> str:
-        return self.format or DEFAULT_FORMAT[self.unit]
-
-
-def _t(key, unit, label, description, fn) -> Metric:
-    return Metric(key, "tokens", unit, label, description, fn)
-
-
-def _s(key, unit, label, description, fn) -> Metric:
-    return Metric(key, "sequences", unit, label, description, fn)
-
-
-def _ess(sum_w, sum_w2, n) -> np.ndarray:
-    """(sum w)^2 / (n sum w^2). A weight above ~e^354 overflows sum w^2 (and above ~e^709 sum w):
-    then one weight dominates every other and the ratio's limit is 1/n, not the NaN of inf/inf,
-    which would hide a collapse from the low-ESS alert."""
-    sum_w, sum_w2, n = _f(sum_w), _f(sum_w2), _f(n)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ess = _div(np.square(sum_w), n * sum_w2)
-    return np.where(np.isinf(sum_w2) & (n > 0), 1.0 / np.where(n > 0, n, 1.0), ess)
-
-
-def _std_error(t: Frame) -> np.ndarray:
-    n = _f(t["n_tokens"])
-    mean = _div(t["sum_lr"], n)
-    var = _div(np.asarray(t["sum_lr2"]) - n * mean * mean, n - 1)
-    return np.sqrt(np.maximum(var, 0.0) / np.where(n > 0, n, np.nan))
-
-
-METRICS: tuple[Metric, ...] = (
-    _t("mismatch/n_tokens", "count", "tokens", "valid tokens observed", lambda t: _f(t["n_tokens"])),
-    _t("mismatch/k1_kl", "nats", "k1 KL", "mean(-lr): signed estimate of KL(mu||pi); sign and trend show drift",
-       lambda t: -_div(t["sum_lr"], t["n_tokens"])),
-    _t("mismatch/k2_kl", "nats", "k2 KL", "mean(lr^2) / 2", lambda t: _div(t["sum_lr2"], 2 * t["n_tokens"])),
-    _t("mismatch/k3_kl", "nats", "k3 KL", "mean(rho - 1 - lr): low-variance, non-negative estimate of KL(mu||pi)",
-       lambda t: _div(t["sum_k3"], t["n_tokens"])),
-    _t("mismatch/log_ratio/mean", "log-ratio", "mean log ratio", "signed mean of lr = log pi - log mu (drift)",
-       lambda t: _div(t["sum_lr"], t["n_tokens"])),
-    _t("mismatch/log_ratio/std_error", "log-ratio", "std. error of mean lr",
-       "standard error of the signed mean log ratio", _std_error),
-    _t("mismatch/log_ratio/min", "log-ratio", "min log ratio", "smallest lr", lambda t: _f(t["min_lr"])),
-    _t("mismatch/log_ratio/max", "log-ratio", "max log ratio", "largest lr", lambda t: _f(t["max_lr"])),
-    _t("mismatch/abs_log_ratio/mean", "log-ratio", "mean |lr|", "mean |log pi - log mu|",
-       lambda t: _div(t["sum_abs_lr"], t["n_tokens"])),
-    _t("mismatch/abs_log_ratio/max", "log-ratio", "max |lr|", "largest |lr| (exact)",
-       lambda t: _f(t["max_abs_lr"])),
-    _t("mismatch/mult_prob_error", "ratio", "mult. prob. error", "mean exp(|lr|) >= 1 (NeMo-RL token_mult_prob_error)",
-       lambda t: _div(t["sum_exp_abs_lr"], t["n_tokens"])),
-    _t("mismatch/chi2", "ratio", "chi^2", ("mean(rho^2) - 1: unbiased estimate of the chi-square divergence "
-                                           "chi2(pi||mu) from samples of mu; the weights' variance only where "
-                                           "mean(rho) = 1; negative when mean(rho^2) < 1 (only possible if "
-                                           "mean(rho) < 1)"),
-       lambda t: _div(t["sum_rho2"], t["n_tokens"]) - 1.0),
-    _t("mismatch/ess", "ratio", "ESS", "normalised effective sample size (sum rho)^2 / (n sum rho^2)",
-       lambda t: _ess(t["sum_rho"], t["sum_rho2"], t["n_tokens"])),
-    _t("mismatch/ess_capped", "ratio", "ESS (capped)", "normalised ESS of min(rho, tis_cap)",
-       lambda t: _div(np.square(_f(t["sum_rho_capped"])), t["n_tokens"] * t["sum_rho_capped2"])),
-    _t("mismatch/clip_high_fraction", "share", "clipped (rho > C)", "share of tokens with rho > tis_cap",
-       lambda t: _div(t["n_clip_high"], t["n_tokens"])),
-    _t("mismatch/clip_low_fraction", "share", "clipped (rho <= 1/C)", "share of tokens with rho <= 1 / tis_cap",
-       lambda t: _div(t["n_clip_low"], t["n_tokens"])),
-    _t("mismatch/icepop_masked_fraction", "share", "IcePop masked", "share of tokens outside the IcePop band",
-       lambda t: _div(t["n_outside_icepop"], t["n_tokens"])),
-    _t("mismatch/extreme_fraction", "share", "extreme share", "share of tokens outside the extreme band",
-       lambda t: _div(t["n_extreme"], t["n_tokens"])),
-    _t("mismatch/routing/flip_rate", "share", "routing flip rate",
-       "share of (token, layer) whose top-k expert set differs", lambda t: _div(t["n_routing_flips"], t["n_routing_decisions"])),
-    _t("mismatch/routing/any_layer_flip_fraction", "share", "tokens with a flip",
-       "share of tokens with at least one differing layer", lambda t: _div(t["n_tokens_any_flip"], t["n_routed_tokens"])),
-    _t("mismatch/support_mismatch_fraction", "share", "support mismatch",
-       "share of sampled tokens outside the trainer's top-p/top-k kept set",
-       lambda t: _div(t["n_support_mismatch"], t["n_support_known"])),
-    _t("mismatch/kept_logmass/mean", "log-ratio", "mean kept log-mass", "mean log S of the sampler's truncation",
-       lambda t: _div(t["sum_kept_logmass"], t["n_kept_logmass"])),
-    _t("mismatch/data_quality/nonfinite_tokens", "count", "non-finite tokens",
-       "tokens set aside for a NaN or infinite log-prob", lambda t: _f(t["n_nonfinite"])),
-    _t("mismatch/data_quality/positive_logprob_tokens", "count", "positive log-prob tokens",
-       "tokens set aside for a log-prob above the tolerance", lambda t: _f(t["n_positive_logprob"])),
-    _s("mismatch/seq/n_sequences", "count", "sequences", "sequences with a valid token",
-       lambda s: _f(s["n_sequences"])),
-    _s("mismatch/seq/log_ratio/mean", "log-ratio", "mean seq log ratio", "mean over sequences of sum_t lr",
-       lambda s: _div(s["sum_seq_lr"], s["n_sequences"])),
-    _s("mismatch/seq/log_ratio/min", "log-ratio", "min seq log ratio", "smallest sum_t lr",
-       lambda s: _f(s["min_seq_lr"])),
-    _s("mismatch/seq/log_ratio/max", "log-ratio", "max seq log ratio", "largest sum_t lr",
-       lambda s: _f(s["max_seq_lr"])),
-    _s("mismatch/seq/mean_log_ratio/mean", "log-ratio", "mean geo. log ratio",
-       "mean over sequences of mean_t lr (log geometric-mean ratio)", lambda s: _div(s["sum_seq_mean_lr"], s["n_sequences"])),
-    _s("mismatch/seq/max_abs_log_ratio/mean", "log-ratio", "mean seq max |lr|", "mean over sequences of max_t |lr|",
-       lambda s: _div(s["sum_seq_max_abs_lr"], s["n_sequences"])),
-    _s("mismatch/seq/product_mask_fraction", "share", "product mask", "share of sequences a product-ratio mask drops",
-       lambda s: _div(s["n_drop_product"], s["n_sequences"])),
-    _s("mismatch/seq/geometric_mask_fraction", "share", "geometric mask",
-       "share of sequences a geometric-mean-ratio mask drops", lambda s: _div(s["n_drop_geometric"], s["n_sequences"])),
-    _s("mismatch/seq/mult_error_mask_fraction", "share", "seq threshold mask",
-       "share of sequences with mean exp(|lr|) above the threshold", lambda s: _div(s["n_drop_mult_error"], s["n_sequences"])),
-    _s("mismatch/seq/neg_adv_mask_fraction", "share", "neg.-advantage mask",
-       "share of sequences with advantages that the negative-advantage mask drops",
-       lambda s: _div(s["n_drop_neg_adv"], s["n_adv_known"])),
-    _s("mismatch/staleness/mean", "steps", "mean staleness", "mean trainer_version - policy_version",
-       lambda s: _div(s["sum_staleness"], s["n_stale_known"])),
-    _s("mismatch/staleness/max", "steps", "max staleness", "largest staleness",
-       lambda s: _f(s["max_staleness"])),
-) + tuple(
-    Metric(f"mismatch/abs_log_ratio/{name}", "abs_hist", "log-ratio", f"{name} |lr|",
-           f"{q:g} quantile of |lr| (nearest rank, within hist_relative_accuracy)")
-    for name, q in QUANTILES
-)
-
 METRIC_BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 
 
@@ -175,6 +40,11 @@ def unit_of(metric_key: str) -> str:
 def format_of(metric_key: str) -> str:
     """The format spec a value of the metric is shown with (``format(value, format_of(key))``)."""
     return METRIC_BY_KEY[metric_key].format_spec
+
+
+def title_of(metric_key: str, config: MetricConfig) -> str:
+    """The metric's title with the thresholds of ``config`` (the run's) filled in."""
+    return METRIC_BY_KEY[metric_key].title_under(config)
 
 
 def prometheus_name(key: str) -> str:
@@ -229,14 +99,14 @@ def _row_of(keys: pd.DataFrame, other: pd.DataFrame, by: list[str]) -> np.ndarra
 
 
 def _token_values(tok: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
-    return {m.key: np.asarray(m.fn(tok), dtype=np.float64) if n else np.zeros(0)
+    return {m.key: evaluate(m.formula, tok) if n else np.zeros(0)
             for m in METRICS if m.table == "tokens"}
 
 
 def _sequence_values(seq: Mapping[str, np.ndarray] | None, n: int) -> dict[str, np.ndarray]:
     """``seq``: the merged sequence columns of each group (NaN where a group has no sequence
     row); None: no sequence-level value for any group."""
-    return {m.key: np.asarray(m.fn(seq), dtype=np.float64) if seq is not None else np.full(n, np.nan)
+    return {m.key: evaluate(m.formula, seq) if seq is not None else np.full(n, np.nan)
             for m in METRICS if m.table == "sequences"}
 
 

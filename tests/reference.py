@@ -462,6 +462,7 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
             "mismatch/abs_log_ratio/mean": mean(np.abs(lr)),
             "mismatch/abs_log_ratio/max": srt[-1] if n else nan,
             "mismatch/mult_prob_error": mean(np.exp(np.abs(lr))),
+            "mismatch/rho/mean": mean(np.exp(lr)),
             "mismatch/chi2": mean(np.exp(2 * lr)) - 1 if n else nan,
             "mismatch/ess": 1.0 / (n * np.sum(w ** 2)) if n else nan,
             "mismatch/ess_capped": 1.0 / (n * np.sum(wc ** 2)) if n else nan,

@@ -74,6 +74,7 @@ def test_gauges_match_the_reference_per_pool_hardware_and_fleet():
         assert value(reg, "mismatch_abs_log_ratio_max", **labels) == pytest.approx(np.abs(x).max(), rel=1e-15)
         order_stat = np.sort(np.abs(x))[math.ceil(0.99 * x.size) - 1]          # nearest rank
         assert value(reg, "mismatch_abs_log_ratio_p99", **labels) == pytest.approx(order_stat, rel=alpha)
+        assert value(reg, "mismatch_rho_mean_ratio", **labels) == pytest.approx(rho.mean(), rel=1e-12)
     assert value(reg, "mismatch_last_step") == 7
     assert value(reg, "mismatch_routing_flip_rate_ratio") is None      # no expert ids: no sample, not 0
 

@@ -10,20 +10,16 @@ from typing import Sequence
 import pandas as pd
 
 from .. import query
+from ..metrics import format_of
 from ..store import read_run_info, run_status
 
-# (metric key, column title, format)
-POOL_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("mismatch/n_tokens", "tokens", "{:.0f}"),
-    ("mismatch/k3_kl", "k3 KL", "{:.3g}"),
-    ("mismatch/abs_log_ratio/p99", "p99 |lr|", "{:.3g}"),
-    ("mismatch/abs_log_ratio/max", "max |lr|", "{:.3g}"),
-    ("mismatch/ess", "ESS", "{:.4f}"),
-    ("mismatch/clip_high_fraction", "rho>C", "{:.2%}"),
-    ("mismatch/icepop_masked_fraction", "IcePop", "{:.2%}"),
-    ("mismatch/extreme_fraction", "extreme", "{:.2%}"),
-    ("mismatch/routing/flip_rate", "flips", "{:.2%}"),
-)
+# (metric key, column title, format): each value in its declaration's format (metrics.format_of)
+POOL_COLUMNS: tuple[tuple[str, str, str], ...] = tuple((key, title, "{:" + format_of(key) + "}") for key, title in (
+    ("mismatch/n_tokens", "tokens"), ("mismatch/k3_kl", "k3 KL"), ("mismatch/abs_log_ratio/p99", "p99 |lr|"),
+    ("mismatch/abs_log_ratio/max", "max |lr|"), ("mismatch/ess", "ESS"), ("mismatch/rho/mean", "mean rho"),
+    ("mismatch/clip_high_fraction", "rho>C"), ("mismatch/icepop_masked_fraction", "IcePop"),
+    ("mismatch/extreme_fraction", "extreme"), ("mismatch/routing/flip_rate", "flips"),
+))
 SLICE_KEYS = ("pool", "length_bucket", "turn_bucket")
 
 

@@ -7,7 +7,8 @@ are summed (``sum``/``max``/``min`` per ``engine/fields.py``) in SQL and metrics
 afterwards by :func:`mismatch_monitor.metrics.derive`, so a marginal means what a cell means.
 Identifiers (group-by columns) are checked against the known key columns; every value is bound.
 
-``core`` holds the readers every part uses; ``views`` what the dashboard reads beyond them.
+``core`` holds the readers every part uses; ``views`` what the dashboard reads beyond them;
+``breakdowns`` the per-table breakdowns (pool shares, probability buckets, MoE layers).
 """
 
 from .core import (aggregate, connect, copy_current, forget_files, histogram, latest, metric_series, metric_series_runs,
@@ -15,9 +16,9 @@ from .core import (aggregate, connect, copy_current, forget_files, histogram, la
 from .core import _retry  # noqa: F401  (compaction documents the retry it relies on)
 from .rollup import aligned_bins
 from .views import collector_errors, error_messages
-from .views import (ALERT_COLUMNS, aggregate_binned, alert_events, binned_sums, compare_runs, crossing_length,
-                    derive_sums, distinct_values, exemplar_steps, firing_alerts, lowprob_series, metric_series_binned,
-                    metric_totals, pool_shares, routing_layer_series, step_width)
+from .views import (ALERT_COLUMNS, aggregate_binned, alert_events, binned_sums, compare_runs, derive_sums,
+                    distinct_values, exemplar_steps, firing_alerts, metric_series_binned, metric_totals, step_width)
+from .breakdowns import crossing_length, lowprob_series, pool_shares, routing_layer_series
 from .views import _current_sources  # noqa: F401  (tested directly)
 
 __all__ = ["connect", "forget_files", "table_files", "run_config", "steps_index", "aggregate", "metric_series",

@@ -8,7 +8,6 @@ value is bound.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Mapping, Sequence
 
@@ -260,71 +259,6 @@ def metric_totals(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[
     out = metric_series_binned(con, run_dir, by, first=span[0], width=span[1] - span[0] + 1,
                                metrics=metrics, steps=span, where=where)
     return out.drop(columns=["step", "step_last", "wall_time"]).reset_index(drop=True)
-
-
-def _ratio(num: pd.Series, den: pd.Series) -> np.ndarray:
-    num_a = np.asarray(num, dtype=np.float64)
-    den_a = np.asarray(den, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(den_a > 0, num_a / np.where(den_a > 0, den_a, 1.0), np.nan)
-
-
-def pool_shares(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: StepRange = None,
-                tokens: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Per pool over ``steps``: its share of sequences, of tokens and of extreme-ratio tokens.
-
-    ``tail_to_sample`` = extreme_share / sample_share: above 1, a pool holds more of the tail
-    than of the samples. Shares of an empty total are null. ``tokens``: the tokens table by pool
-    over exactly these steps, in step bins of any width, when the caller has read it already.
-    """
-    span = _whole(con, run_dir, steps)
-    first, width = (span[0], span[1] - span[0] + 1) if span is not None else (0, 1)
-    kw: dict[str, Any] = dict(first=first, width=width, steps=span if span is not None else (0, -1))
-    if tokens is None:
-        tokens = aggregate_binned(con, run_dir, "tokens", ["pool"], **kw)
-    tok = tokens.groupby("pool", dropna=False, sort=False)[["n_tokens", "n_extreme"]].sum(min_count=1).reset_index()
-    seq = aggregate_binned(con, run_dir, "sequences", ["pool"], times=False, **kw)
-    tok, seq = tok.assign(pool=tok["pool"].astype(object)), seq.assign(pool=seq["pool"].astype(object))
-    out = tok.merge(seq[["pool", "n_sequences"]], on="pool", how="outer")
-    for col in ("n_tokens", "n_extreme", "n_sequences"):
-        out[col] = out[col].astype("float64").fillna(0.0)
-    out["sample_share"] = _ratio(out["n_sequences"], pd.Series(out["n_sequences"].sum(), index=out.index))
-    out["token_share"] = _ratio(out["n_tokens"], pd.Series(out["n_tokens"].sum(), index=out.index))
-    out["extreme_share"] = _ratio(out["n_extreme"], pd.Series(out["n_extreme"].sum(), index=out.index))
-    out["tail_to_sample"] = _ratio(out["extreme_share"].fillna(-1.0), out["sample_share"])
-    out.loc[out["extreme_share"].isna(), "tail_to_sample"] = np.nan
-    return out.sort_values("pool", na_position="last").reset_index(drop=True)
-
-
-def lowprob_series(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
-                   first: int, width: int, steps: StepRange = None,
-                   where: Mapping[str, str] | None = None) -> pd.DataFrame:
-    """Per step bin and sampler-probability bucket: n_tokens, mean_abs_lr and k3 (null if empty)."""
-    df = aggregate_binned(con, run_dir, "lowprob", by, first=first, width=width, steps=steps, where=where)
-    df["mean_abs_lr"] = _ratio(df["sum_abs_lr"], df["n_tokens"])
-    df["k3_kl"] = _ratio(df["sum_k3"], df["n_tokens"])
-    return df
-
-
-def routing_layer_series(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[str] = (), *,
-                         first: int, width: int, steps: StepRange = None,
-                         where: Mapping[str, str] | None = None) -> pd.DataFrame:
-    """Per step bin and MoE layer: flip_rate = tokens whose expert set differs at the layer /
-    tokens with expert ids (null where no token carried expert ids)."""
-    kw: dict[str, Any] = dict(first=first, width=width, steps=steps, where=where)
-    layers = aggregate_binned(con, run_dir, "routing_layers", by, **kw)
-    routed = aggregate_binned(con, run_dir, "tokens", by, **kw)[["step"] + list(by) + ["n_routed_tokens"]]
-    df = layers.merge(routed, on=["step"] + list(by), how="left")
-    df["flip_rate"] = _ratio(df["n_flips"], df["n_routed_tokens"])
-    return df
-
-
-def crossing_length(mean_abs_lr: np.ndarray | pd.Series, cap: float) -> np.ndarray:
-    """T* = ln C / mean|lr|: the response length at which a product of per-token ratios of typical
-    size exp(mean|lr|) reaches the cap C. Null without observation, inf when mean|lr| = 0."""
-    m = np.asarray(mean_abs_lr, dtype=np.float64)
-    with np.errstate(divide="ignore"):
-        return np.where(np.isnan(m), np.nan, np.where(m > 0, math.log(cap) / np.where(m > 0, m, 1.0), np.inf))
 
 
 def alert_events(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, steps: StepRange = None) -> pd.DataFrame:

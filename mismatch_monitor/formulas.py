@@ -1,0 +1,137 @@
+"""The vocabulary a metric is declared in, and its one interpreter.
+
+A formula names the summed columns (``engine/fields.py``) it reads and how the metric follows
+from them; :func:`evaluate` computes it on merged statistics (one value per group), so every
+consumer (report, query layer, exporter, rules, dashboard) reads the same definition, and the
+columns a metric needs are known without running it (:meth:`Formula.fields`).
+
+An empty group (zero denominator) gives NaN, reported as null, never 0.0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Union
+
+import numpy as np
+
+Columns = Mapping[str, object]
+
+
+def f64(values: object) -> np.ndarray:
+    return np.asarray(values, dtype=np.float64)
+
+
+def divide(num: object, den: object) -> np.ndarray:
+    """num / den where den > 0, else NaN (divides only there: no warning to silence)."""
+    num, den = f64(num), f64(den)
+    out = np.full(np.broadcast_shapes(num.shape, den.shape), np.nan)
+    return np.divide(num, den, out=out, where=den > 0)
+
+
+@dataclass(frozen=True)
+class Value:
+    """A merged column as it is: a count, or an extremum (merged by max/min)."""
+    field: str
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``scale * num / den + offset``: a share of two counts, or a mean (a sum over its count)."""
+    num: str
+    den: str
+    scale: float = 1.0
+    offset: float = 0.0
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.num, self.den)
+
+
+@dataclass(frozen=True)
+class Variance:
+    """Unbiased sample variance from n, sum x and sum x^2 (NaN below two observations)."""
+    sum: str
+    sum_sq: str
+    n: str
+    of_mean: bool = False    # True: the squared standard error of the mean, variance / n
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.sum, self.sum_sq, self.n)
+
+
+@dataclass(frozen=True)
+class StdError:
+    """Standard error of the mean of x, from n, sum x and sum x^2."""
+    sum: str
+    sum_sq: str
+    n: str
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.sum, self.sum_sq, self.n)
+
+
+@dataclass(frozen=True)
+class ESS:
+    """Normalised effective sample size (sum w)^2 / (n sum w^2) of weights w."""
+    sum_w: str
+    sum_w2: str
+    n: str
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.sum_w, self.sum_w2, self.n)
+
+
+@dataclass(frozen=True)
+class Quantile:
+    """The ``q`` quantile of the histogram table the metric reads (nearest rank, clamped to the
+    exact maximum ``clamp``); evaluated from histogram rows, not from summed columns."""
+    q: float
+    clamp: str = "max_abs_lr"
+
+    def fields(self) -> tuple[str, ...]:
+        return ("count",)
+
+
+Formula = Union[Value, Ratio, Variance, StdError, ESS, Quantile]
+
+
+def _variance(s: np.ndarray, s2: np.ndarray, n: np.ndarray) -> np.ndarray:
+    mean = divide(s, n)
+    return np.maximum(divide(s2 - n * mean * mean, n - 1), 0.0)
+
+
+def _ess(sum_w: np.ndarray, sum_w2: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """A weight above ~e^354 overflows sum w^2 (and above ~e^709 sum w): then one weight
+    dominates every other and the ratio's limit is 1/n, not the NaN of inf/inf, which would hide
+    a collapse from the low-ESS alert."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        ess = divide(np.square(sum_w), n * sum_w2)
+    return np.where(np.isinf(sum_w2) & (n > 0), 1.0 / np.where(n > 0, n, 1.0), ess)
+
+
+def evaluate(formula: Formula, cols: Columns) -> np.ndarray:
+    """The formula's value per group of the merged columns ``cols`` ({field: [G]})."""
+    args = [f64(cols[f]) for f in formula.fields()]
+    if isinstance(formula, Value):
+        return args[0]
+    if isinstance(formula, Ratio):
+        return formula.scale * divide(*args) + formula.offset
+    if isinstance(formula, Variance):
+        var = _variance(*args)
+        return divide(var, args[2]) if formula.of_mean else var
+    if isinstance(formula, StdError):
+        return np.sqrt(divide(_variance(*args), args[2]))
+    if isinstance(formula, ESS):
+        return _ess(*args)
+    raise TypeError(f"{type(formula).__name__} is evaluated from histogram rows, not summed columns")
+
+
+def promql(formula: Formula, series: Mapping[str, str]) -> str:
+    """The formula as PromQL over ``series`` (field -> a PromQL expression of its merged value:
+    rates of counters, summed over the labels kept), for the formulas Prometheus can merge."""
+    if isinstance(formula, Ratio) and formula.scale == 1.0 and formula.offset == 0.0:
+        return f"{series[formula.num]} / {series[formula.den]}"
+    raise ValueError(f"{formula} has no PromQL form over counters")
