@@ -182,7 +182,7 @@ def _cell_stats(t: torch.Tensor, s: torch.Tensor, edges: torch.Tensor) -> list[t
            ((rho <= 0.5) | (rho > 5)).sum(), ((rho <= 0.2) | (rho > 5)).sum()]
     if lr.numel():
         out += [lr.min(), lr.max(), a.max()]
-        qs = torch.tensor(QS, dtype=torch.float64)
+        qs = torch.tensor(QS, dtype=torch.float64, device=a.device)
         if a.numel() <= QUANTILE_LIMIT:
             out.append(torch.quantile(a, qs))
         else:  # torch.quantile raises above 2^24 elements
@@ -207,7 +207,7 @@ def naive(d: Data, max_cells: int) -> tuple[float, int, int]:
     def pick(cells: torch.Tensor) -> torch.Tensor:
         if cells.numel() <= max_cells:
             return cells
-        return cells[torch.linspace(0, cells.numel() - 1, max_cells).long()]
+        return cells[torch.linspace(0, cells.numel() - 1, max_cells, device=cells.device).long()]
 
     tok_sample, seq_sample = pick(token_cells), pick(seq_cells)
     first = d.cell == int(tok_sample[0])        # warm-up: first calls pay one-time setup costs
@@ -226,7 +226,8 @@ def naive(d: Data, max_cells: int) -> tuple[float, int, int]:
         n = torch.bincount(seqs, minlength=b.num_sequences).clamp(min=1)
         sum_lr = torch.bincount(seqs, weights=lr, minlength=b.num_sequences)
         exp_abs = torch.bincount(seqs, weights=torch.exp(lr.abs()), minlength=b.num_sequences)
-        mx = torch.zeros(b.num_sequences, dtype=torch.float64).scatter_reduce_(0, seqs, lr.abs(), "amax")
+        mx = torch.zeros(b.num_sequences, dtype=torch.float64, device=lr.device).scatter_reduce_(
+            0, seqs, lr.abs(), "amax")
         keep = in_cell & (seq_len > 0)
         mean = sum_lr / n
         for x in (sum_lr[keep], mean[keep], mx[keep], (exp_abs / n)[keep]):

@@ -1,10 +1,10 @@
-"""The torch ops' token pass on a GPU never waits for the device inside its loop.
+"""The torch ops' token pass and routing counts on a GPU never wait for the device inside their loops.
 
 There is no GPU here, so two CPU-side proofs: the pass runs to the end on the ``meta`` device,
 whose tensors have shapes but no values (every op whose result depends on the data, such as
 ``bool()``, ``.item()``, a boolean-mask select, ``nonzero``, ``unique`` or ``bincount``, raises
 there); and on the CPU, the same sync-free code computes exactly what the float64 reference
-does, while ``bool()`` and ``.item()`` raise."""
+does, while ``bool()`` and ``.item()`` raise. The same for the routing counts."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats, torch_pass
 from mismatch_monitor.engine.accumulators import packed_copy
+from mismatch_monitor.engine.routing import routing_counts
 from mismatch_monitor.engine.slicing import assign_cells
 from mismatch_monitor.engine.token_pass import token_pass
 from reference import assert_tables_match, make_case, reference_tables
@@ -43,6 +44,14 @@ def test_the_torch_pass_needs_no_value_of_the_device_inside_its_loop(layout):
     assert acc.joint_n.device.type == "meta" and acc.abs_hist.numel() > 0
 
 
+def test_the_routing_counts_need_no_value_of_the_device():
+    case = make_case(22, num_sequences=30, routing=(5, 8))
+    t, s = (torch.from_numpy(x).to("meta") for x in (case.trainer_experts, case.sampler_experts))
+    cell = torch.zeros(t.shape[0], dtype=torch.int64, device="meta")
+    routed, any_flip, per_layer, L = routing_counts(t, s, cell, 3, 64)
+    assert per_layer.shape == (3, 5) and L == 5 and routed.device.type == "meta"
+
+
 def test_the_cpu_shortcuts_would_wait_for_the_device(monkeypatch):
     # the check above can fail: the CPU's variant (three reductions per chunk, runs of one
     # sequence found first) reads values, which on a GPU is a wait each
@@ -51,6 +60,10 @@ def test_the_cpu_shortcuts_would_wait_for_the_device(monkeypatch):
     meta_batch, meta_cells = _on_meta(batch, assign_cells(batch, TORCH))
     with pytest.raises((RuntimeError, NotImplementedError)):
         token_pass(meta_batch, meta_cells, TORCH)
+    case = make_case(22, num_sequences=30, routing=(5, 8))
+    t, s = (torch.from_numpy(x).to("meta") for x in (case.trainer_experts, case.sampler_experts))
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        routing_counts(t, s, torch.zeros(t.shape[0], dtype=torch.int64, device="meta"), 3, 64)
 
 
 def _no_reads(*args, **kwargs):
@@ -67,6 +80,7 @@ def test_the_sync_free_pass_is_exact_against_the_reference(monkeypatch, layout):
         m.setattr(torch.Tensor, "__bool__", _no_reads)
         m.setattr(torch.Tensor, "item", _no_reads)
         token_pass(batch, cells, TORCH)
+        routing_counts(batch.trainer_experts, batch.sampler_experts, batch.seq_index, batch.num_sequences, 64)
     got = compute_stats(batch, TORCH)
     want = reference_tables(case, TORCH)
     for name in ("tokens", "abs_hist", "lowprob", "sequences", "seq_hist", "staleness", "routing_layers"):

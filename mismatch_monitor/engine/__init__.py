@@ -62,9 +62,13 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
         return (MismatchStats.empty(dims, config.stats_parameters()),
                 SequenceValues(zeros.double(), zeros.double(), zeros.long()))
     device_cells = cells = assign_cells(batch, config)
-    device_batch = batch
     on_device = token_pass(batch, cells, config, workers=workers)
-    acc, cells, batch = _on_host(on_device, cells, batch)      # what the tables read, on the CPU
+    # off the CPU the routing counts come to the host with the accumulators, in one copy; on
+    # it they are counted below, beside the histogram rows' assembly
+    on_cpu = batch.device.type == "cpu"
+    routing_counted = [] if on_cpu else _routing_counts(batch, cells, config)
+    # what the tables read, on the CPU
+    acc, cells, batch, routing_counted = _on_host(on_device, cells, batch, routing_counted)
     C = cells.num_token_cells
     NL = len(config.lowprob_edges) + 1
     joint = JointBins(acc, C, NL, Regions.from_config(config))
@@ -77,7 +81,7 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     try:
         hist_rows = (pool.submit if pool else _now)(
             sparse_columns, "abs_hist", dims, keys, NB, "bin", {"count": hist}, hist)
-        routing, per_layer = _routing(device_batch, device_cells, config)
+        routing, per_layer = _routing(_routing_counts(batch, cells, config) if on_cpu else routing_counted)
         flips = None if per_layer is None else per_layer.ravel()
         arrays = {"tokens": token_table(acc, joint, keys, config, dims, routing)}
         tables = {
@@ -101,20 +105,22 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     return MismatchStats(tables, tuple(dims), config.stats_parameters(), arrays), values
 
 
-def _on_host(acc: TokenAccumulators, cells: Cells, batch: TokenBatch
-             ) -> tuple[TokenAccumulators, Cells, TokenBatch]:
+def _on_host(acc: TokenAccumulators, cells: Cells, batch: TokenBatch, routing: list[torch.Tensor]
+             ) -> tuple[TokenAccumulators, Cells, TokenBatch, list[torch.Tensor]]:
     """What the tables read, on the CPU, in one device-to-host copy (a GPU's step waits only
-    here): the accumulators, the cells' per-sequence arrays and the batch's per-sequence inputs.
-    The batch keeps its per-token tensors on the device (the routing counts read them there)."""
+    here): the accumulators, the routing counts, the cells' per-sequence arrays and the batch's
+    per-sequence inputs (its per-token tensors stay where they are)."""
     if batch.device.type == "cpu":
-        return acc, cells, batch
+        return acc, cells, batch, routing
     names = [f.name for f in dataclasses.fields(acc)]
     extra = {k: getattr(batch, k) for k in ("advantages", "policy_version") if getattr(batch, k) is not None}
-    copied = packed_copy([getattr(acc, n) for n in names] + [cells.seq_cell, cells.seq_length] + list(extra.values()))
+    copied = packed_copy([getattr(acc, n) for n in names] + routing + [cells.seq_cell, cells.seq_length]
+                         + list(extra.values()))
     host_acc = TokenAccumulators(**dict(zip(names, copied)))
-    seq_cell, seq_length = copied[len(names):len(names) + 2]
-    host_cells = dataclasses.replace(cells, seq_cell=seq_cell, seq_length=seq_length)
-    return host_acc, host_cells, dataclasses.replace(batch, **dict(zip(extra, copied[len(names) + 2:])))
+    at = len(names) + len(routing)
+    host_cells = dataclasses.replace(cells, seq_cell=copied[at], seq_length=copied[at + 1])
+    host_batch = dataclasses.replace(batch, **dict(zip(extra, copied[at + 2:])))
+    return host_acc, host_cells, host_batch, copied[len(names):at]
 
 
 def _now(fn, *args) -> Future:
@@ -124,18 +130,25 @@ def _now(fn, *args) -> Future:
     return done
 
 
-def _routing(batch: TokenBatch, cells: Cells, config: MetricConfig
-             ) -> tuple[dict[str, np.ndarray] | None, np.ndarray | None]:
-    """Routing columns of the token table per token cell, and flips per (cell, layer)."""
+def _routing_counts(batch: TokenBatch, cells: Cells, config: MetricConfig) -> list[torch.Tensor]:
+    """[routed [C], tokens with a flip [C], flips [C, L]] on the batch's device ([] without ids)."""
     if batch.trainer_experts is None:
-        return None, None
+        return []
     turn_table = None if batch.turn_index is None else bucket_table(config.turn_edges, batch.device)
     cell = cells.token_cells(batch.seq_index, batch.turn_index, turn_table)
-    routed, any_flip, per_layer, L = routing_counts(
+    routed, any_flip, per_layer, _ = routing_counts(
         batch.trainer_experts, batch.sampler_experts, cell, cells.num_token_cells, config.chunk_tokens,
         compiled=native.use_native(config, batch.device))
-    per_layer = np_(per_layer)
-    columns = {"n_routed_tokens": np_(routed), "n_routing_decisions": np_(routed) * L,
-               "n_routing_flips": per_layer.sum(1), "n_tokens_any_flip": np_(any_flip)}
+    return [routed, any_flip, per_layer]
+
+
+def _routing(counts: list[torch.Tensor]) -> tuple[dict[str, np.ndarray] | None, np.ndarray | None]:
+    """Routing columns of the token table per token cell, and flips per (cell, layer), from the
+    counts on the host."""
+    if not counts:
+        return None, None
+    routed, any_flip, per_layer = (np_(t) for t in counts)
+    columns = {"n_routed_tokens": routed, "n_routing_decisions": routed * per_layer.shape[1],
+               "n_routing_flips": per_layer.sum(1), "n_tokens_any_flip": any_flip}
     return columns, per_layer
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import native_routing
+from . import torch_pass
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -112,9 +113,12 @@ def routing_counts(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor,
     """
     N, L, K = trainer_experts.shape
     device = token_cell.device
-    routed = torch.bincount(token_cell, minlength=num_cells)
     any_flip = torch.zeros(num_cells, dtype=torch.int64, device=device)
     per_layer = torch.zeros(num_cells * L, dtype=torch.int64, device=device)
+    if torch_pass.sync_free(device):
+        return _counts_without_waits(trainer_experts, sampler_experts, token_cell, num_cells, chunk, any_flip,
+                                     per_layer)
+    routed = torch.bincount(token_cell, minlength=num_cells)
     if compiled and K <= 64:
         native_routing.routing_flips(trainer_experts, sampler_experts, token_cell, sorting_network(K), per_layer, any_flip)
         return routed, any_flip, per_layer.view(num_cells, L), L
@@ -128,4 +132,26 @@ def routing_counts(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor,
         cell = token_cell[start:stop]
         per_layer += torch.bincount(cell[tok] * L + (flat - tok * L), minlength=num_cells * L)
         any_flip += torch.bincount(cell[torch.unique_consecutive(tok)], minlength=num_cells)
+    return routed, any_flip, per_layer.view(num_cells, L), L
+
+
+def _counts_without_waits(trainer_experts: torch.Tensor, sampler_experts: torch.Tensor, token_cell: torch.Tensor,
+                          num_cells: int, chunk: int, any_flip: torch.Tensor, per_layer: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``routing_counts`` without a wait for the device (a GPU): every row sorted along K and
+    compared, counts added with ``scatter_add_`` (finding the rows that differ in order first,
+    as the CPU does, would wait for their number)."""
+    N, L, K = trainer_experts.shape
+    routed = torch.zeros(num_cells, dtype=torch.int64, device=token_cell.device)
+    routed.scatter_add_(0, token_cell, torch.ones_like(token_cell))
+    layer = torch.arange(L, device=token_cell.device)
+    chunk = max(1, min(chunk, (16 << 20) // max(1, L * K * trainer_experts.element_size())))
+    for start in range(0, N, chunk):
+        stop = min(start + chunk, N)
+        t = trainer_experts[start:stop].sort(dim=-1).values
+        s = sampler_experts[start:stop].sort(dim=-1).values
+        differ = (t != s).any(-1)                                        # [n, L]
+        cell = token_cell[start:stop]
+        per_layer.scatter_add_(0, (cell[:, None] * L + layer).reshape(-1), differ.reshape(-1).to(torch.int64))
+        any_flip.scatter_add_(0, cell, differ.any(-1).to(torch.int64))
     return routed, any_flip, per_layer.view(num_cells, L), L
