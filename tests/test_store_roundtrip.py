@@ -11,6 +11,7 @@ import torch
 
 from mismatch_monitor import query
 from mismatch_monitor.collectors import MismatchCollector
+from mismatch_monitor.collectors.checks import with_pool_labels
 from mismatch_monitor.engine import compute_stats, merge
 from mismatch_monitor.engine.fields import TABLES, merge_rules
 from mismatch_monitor.engine.stats import key_columns
@@ -32,7 +33,7 @@ def logged(tmp_path_factory):
     with MismatchCollector(run, pools=pools, flush_every_steps=2) as mc:
         reports = [mc.log_step(s, b) for s, b in enumerate(batches)]
     # the collector fills hardware/precision/engine from the pool metadata
-    stats = [compute_stats(mc._with_pool_labels(b)) for b in batches]
+    stats = [compute_stats(with_pool_labels(b, pools)) for b in batches]
     return run, stats, reports
 
 
