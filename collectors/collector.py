@@ -36,7 +36,7 @@ from ..metrics import GroupMetrics, report_by_label
 from ..label_limits import LabelLimit
 from ..report_keys import flatten_report
 from ..store import RunWriter
-from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, close_and_log
+from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, MAX_BUFFERED_STEPS, close_and_log
 from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warnings, with_pool_labels
 from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
 from .distributed import DistributedReducer, distributed_world, launched_world
@@ -56,6 +56,8 @@ class MismatchCollector:
         strict: bool = False,
         flush_every_steps: int = FLUSH_EVERY_STEPS,
         flush_every_seconds: float = FLUSH_EVERY_SECONDS,
+        max_buffered_steps: int = MAX_BUFFERED_STEPS,
+        handle_signals: bool = True,
         exemplars_k: int = 16,
         alert_evaluator: Evaluator | Literal["default"] | None = "default",
         exporter: Exporter | None = None,
@@ -87,7 +89,8 @@ class MismatchCollector:
         self._run_dir = run_dir
         self._writer_options = dict(config=self.config, run_id=run_id, pools=pools,
                                     flush_every_steps=flush_every_steps,
-                                    flush_every_seconds=flush_every_seconds, clock=clock, metadata=metadata)
+                                    flush_every_seconds=flush_every_seconds, clock=clock, metadata=metadata,
+                                    max_buffered_steps=max_buffered_steps, handle_signals=handle_signals)
         self._default_alerts = alert_evaluator == "default"
         # a launcher started several processes but the group is not up yet (accelerate brings it
         # up with the trainer's arguments): decide who writes once it is, at the first step

@@ -177,6 +177,21 @@ def test_leaving_the_collector_on_a_full_disk_never_raises_and_counts_what_was_l
     assert _leftovers(run) == []
 
 
+def test_the_collectors_buffer_bound_is_the_writers(small_disk):
+    from mismatch_monitor.collectors import MismatchCollector
+
+    run = small_disk.path / "run"
+    with MismatchCollector(run, config=CONFIG, flush_every_steps=2, flush_every_seconds=1e9,
+                           max_buffered_steps=3, alert_evaluator=None) as mc:
+        small_disk.fill()
+        for step in range(8):
+            mc.log_step(step, make_batch(step, sequences=4, max_len=8))
+        assert mc.writer.pending_steps <= 3
+        assert mc.writer.dropped_steps == 5                  # the oldest, counted
+        small_disk.free()
+    assert _index(run)["step"].tolist() == [5, 6, 7]
+
+
 def test_exemplar_rows_built_by_failed_flushes_go_with_their_dropped_steps(small_disk):
     from mismatch_monitor.engine import compute_stats_with_sequences
     from mismatch_monitor.exemplars import select_exemplars
