@@ -18,6 +18,7 @@ import streamlit as st
 
 from mismatch_monitor import query
 from mismatch_monitor.store import RUN_FILE, STEPS_TABLE, read_run_info, run_status
+from mismatch_monitor.store.health import set_aside
 
 from . import loaders
 from .runs import list_runs
@@ -62,6 +63,17 @@ def load(loader: str, run_dir: Path, *, also: tuple[Path, ...] = (), **params: A
 
 def meta(run_dir: Path) -> dict[str, Any]:
     return load("meta", run_dir)
+
+
+@st.cache_data(show_spinner=False, max_entries=256, ttl=60)
+def _set_aside(run_dir: str, stamp: Stamp) -> list[tuple[str, str]]:
+    return [(str(Path(p).relative_to(run_dir)), reason) for p, reason in set_aside(run_dir)]
+
+
+def damaged_files(run_dir: Path) -> list[tuple[str, str]]:
+    """(path relative to the run, reason) of each data file the readers set aside: a file that
+    is not the store's, or is truncated or corrupt (rechecked at most once a minute)."""
+    return _set_aside(str(run_dir), fingerprint(run_dir))
 
 
 @st.cache_data(show_spinner=False, max_entries=256)

@@ -2,8 +2,9 @@
 
 Conventions: frames carry ``step`` and ``wall_time`` columns (the query layer's series); ``x`` is
 "step" or "time". A metric series is drawn raw (thin, faint when smoothed) with its smoothed
-line on top, so smoothing never hides a spike. A null value is a gap, never a zero. A y axis is
-logarithmic when its positive values span two decades or more.
+line on top, so smoothing never hides a spike. A null value is a gap, never a zero. Each y axis
+is linear or logarithmic by ``axes.choose`` (automatic, or forced per chart); a pool's colour is
+``colors.assign``'s, the same on every page and in every run.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ from typing import Literal, Mapping, Sequence
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
-from plotly.colors import qualitative
 from plotly.subplots import make_subplots
+
+from . import colors as palette
+from . import formatting
+from .axes import Scale, YScale, choose, ema, smooth, spans_decades  # noqa: F401 (re-exported)
 
 XAxis = Literal["step", "time"]
 NO_POOL = "(no pool)"
-PALETTE: tuple[str, ...] = tuple(qualitative.Plotly) + tuple(qualitative.D3)
+PALETTE = palette.PALETTE
+UI_REVISION = "keep"   # plotly keeps zoom and legend choices while this stays the same
 
 
 def x_values(df: pd.DataFrame, x: XAxis) -> pd.Series:
@@ -32,32 +37,6 @@ def x_title(x: XAxis, width: int = 1) -> str:
     if x == "time":
         return "wall time (UTC)"
     return "step" if width <= 1 else f"step (bins of {width} steps)"
-
-
-def ema(values: Sequence[float] | np.ndarray, weight: float) -> np.ndarray:
-    """Debiased exponential moving average (TensorBoard's): a null input stays null and is
-    skipped, so a gap never drags the line to zero. ``weight`` in [0, 1)."""
-    if not 0.0 <= weight < 1.0:
-        raise ValueError(f"expected 0 <= weight < 1, got {weight}")
-    v = np.asarray(values, dtype=np.float64)
-    out = np.full(v.shape, np.nan)
-    acc = norm = 0.0
-    for i, value in enumerate(v):  # one pass over at most max_points points per trace
-        if not math.isfinite(value):
-            continue
-        acc = weight * acc + (1.0 - weight) * value
-        norm = weight * norm + (1.0 - weight)
-        out[i] = acc / norm
-    return out
-
-
-def spans_decades(values: Sequence[float] | np.ndarray, decades: float = 2.0) -> bool:
-    """True when every finite value is positive and max/min >= 10**decades."""
-    v = np.asarray(values, dtype=np.float64)
-    v = v[np.isfinite(v)]
-    if v.size < 2 or (v <= 0).any():
-        return False
-    return bool(math.log10(v.max() / v.min()) >= decades)
 
 
 def _order(value: object) -> tuple[int, float, str]:
@@ -74,14 +53,22 @@ def group_names(df: pd.DataFrame, group: str | None) -> list[object]:
     return sorted((v for v in values if not pd.isna(v)), key=_order) + [v for v in values if pd.isna(v)][:1]
 
 
-def log_axis(fig: go.Figure, **where: int) -> None:
-    """A logarithmic y axis with one labelled tick per decade."""
-    fig.update_yaxes(type="log", dtick=1, **where)
+def log_axis(fig: go.Figure, scale: Scale | None = None, values: np.ndarray | None = None,
+             **where: int) -> None:
+    """A logarithmic y axis with one labelled tick per decade, from the scale's floor when the
+    values have zeros (drawn there)."""
+    rng = scale.range(values) if scale is not None and values is not None else None
+    fig.update_yaxes(type="log", dtick=1, **({"range": rng} if rng else {}), **where)
+
+
+def apply_scale(fig: go.Figure, scale: Scale, values: np.ndarray, **where: int) -> None:
+    if scale.log:
+        log_axis(fig, scale, values, **where)
 
 
 def color_map(names: Sequence[object], labels: Mapping[object, str] | None = None) -> dict[str, str]:
-    """A stable color per name, in the order given (pools keep their color on every page)."""
-    return {(labels or {}).get(n, label(n)): PALETTE[i % len(PALETTE)] for i, n in enumerate(names)}
+    """Label text -> colour: each pool's own, whatever else the figure shows (``colors.assign``)."""
+    return palette.assign([(labels or {}).get(n, label(n)) for n in names], no_pool=NO_POOL)
 
 
 def label(value: object) -> str:
@@ -97,9 +84,10 @@ def _rows(df: pd.DataFrame, group: str | None, value: object) -> pd.DataFrame:
 def add_series(fig: go.Figure, df: pd.DataFrame, metric: str, *, group: str | None, x: XAxis,
                smoothing: float, colors: Mapping[str, str], row: int | None = None, col: int | None = None,
                showlegend: bool = True, name: str | None = None,
-               labels: Mapping[object, str] | None = None) -> None:
+               labels: Mapping[object, str] | None = None, scale: Scale = Scale(False)) -> None:
     """Raw and smoothed traces of ``metric`` per group, into ``fig`` (a subplot when row/col);
-    ``labels`` names the groups (default: their value)."""
+    ``labels`` names the groups (default: their value). On a log ``scale`` zeros sit at its floor
+    (the hover shows the value itself) and the smoothing is done on log values."""
     for value in group_names(df, group):
         part = _rows(df, group, value).sort_values("step")
         if not len(part):
@@ -108,13 +96,14 @@ def add_series(fig: go.Figure, df: pd.DataFrame, metric: str, *, group: str | No
         color = colors.get(nm, colors.get(label(value), PALETTE[0]))
         xs, ys = x_values(part, x), part[metric].to_numpy(np.float64)
         mode = "lines+markers" if len(part) <= 40 else "lines"
-        raw = go.Scatter(x=xs, y=ys, mode=mode, name=nm if smoothing == 0 else f"{nm} (raw)",
+        raw = go.Scatter(x=xs, y=scale.shown(ys), customdata=ys, hovertemplate=f"{nm}: %{{customdata:{formatting.spec(metric).replace(',', '')}}}<extra></extra>",
+                         mode=mode, name=nm if smoothing == 0 else f"{nm} (raw)",
                          legendgroup=nm, line=dict(color=color, width=1.2 if smoothing else 2),
                          marker=dict(size=4), opacity=0.35 if smoothing else 1.0, connectgaps=False,
                          showlegend=showlegend and smoothing == 0)
         fig.add_trace(raw, row=row, col=col)
         if smoothing:
-            fig.add_trace(go.Scatter(x=xs, y=ema(ys, smoothing), mode="lines", name=nm, legendgroup=nm,
+            fig.add_trace(go.Scatter(x=xs, y=smooth(ys, smoothing, scale), mode="lines", name=nm, legendgroup=nm,
                                      line=dict(color=color, width=2.2), showlegend=showlegend),
                           row=row, col=col)
 
@@ -127,27 +116,28 @@ def finish(fig: go.Figure, height: int, title: str | None = None) -> go.Figure:
     fig.update_layout(template="plotly_white", height=height, margin=dict(l=70, r=20, t=90 if title else 60, b=50),
                       title=dict(text=title, y=0.98, yref="container") if title else None,
                       legend=dict(orientation="h", yref="container", y=0.99 if not title else 0.93,
-                                  yanchor="top", x=0), hovermode="x unified")
+                                  yanchor="top", x=0), hovermode="x unified", uirevision=UI_REVISION)
     return fig
 
 
 def line_figure(df: pd.DataFrame, metric: str, *, group: str | None = None, x: XAxis = "step",
                 smoothing: float = 0.0, title: str | None = None, y_title: str = "", width: int = 1,
-                log_y: bool | None = None, height: int = 360,
+                y_scale: YScale = "auto", height: int = 360,
                 labels: Mapping[object, str] | None = None) -> go.Figure:
     fig = go.Figure()
-    add_series(fig, df, metric, group=group, x=x, smoothing=smoothing, labels=labels,
+    values = df[metric].to_numpy(np.float64)
+    scale = choose(values, y_scale)
+    add_series(fig, df, metric, group=group, x=x, smoothing=smoothing, labels=labels, scale=scale,
                colors=color_map(group_names(df, group), labels) if group else {})
-    fig.update_yaxes(title=y_title)
-    if spans_decades(df[metric]) if log_y is None else log_y:
-        log_axis(fig)
+    fig.update_yaxes(title=y_title, tickformat=formatting.tick_format(metric))
+    apply_scale(fig, scale, values)
     fig.update_xaxes(title=x_title(x, width))
     return finish(fig, height, title)
 
 
 def small_multiples(df: pd.DataFrame, metrics: Sequence[str], titles: Mapping[str, str], *,
                     group: str | None = None, x: XAxis = "step", smoothing: float = 0.0, width: int = 1,
-                    cols: int = 2, height_per_row: int = 260) -> go.Figure:
+                    cols: int = 2, height_per_row: int = 260, y_scale: YScale = "auto") -> go.Figure:
     """One subplot per metric, one line per group in each: groups side by side, metric by metric."""
     rows = max(1, math.ceil(len(metrics) / cols))
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[titles.get(m, m) for m in metrics],
@@ -155,34 +145,40 @@ def small_multiples(df: pd.DataFrame, metrics: Sequence[str], titles: Mapping[st
     colors = color_map(group_names(df, group)) if group else {}
     for i, metric in enumerate(metrics):
         r, c = i // cols + 1, i % cols + 1
+        values = df[metric].to_numpy(np.float64)
+        scale = choose(values, y_scale)
         add_series(fig, df, metric, group=group, x=x, smoothing=smoothing, colors=colors, row=r, col=c,
-                   showlegend=i == 0 and group is not None, name=None if group else titles.get(metric, metric))
-        if spans_decades(df[metric]):
-            log_axis(fig, row=r, col=c)
+                   showlegend=i == 0 and group is not None, name=None if group else titles.get(metric, metric),
+                   scale=scale)
+        apply_scale(fig, scale, values, row=r, col=c)
+        fig.update_yaxes(tickformat=formatting.tick_format(metric), row=r, col=c)
     for c in range(1, cols + 1):
         fig.update_xaxes(title=x_title(x, width), row=rows, col=c)
     return finish(fig, 60 + rows * height_per_row)
 
 
 def percentile_bands(df: pd.DataFrame, quantiles: Sequence[tuple[str, str]], *, group: str | None = None,
-                     x: XAxis = "step", width: int = 1, height_per_row: int = 300) -> go.Figure:
-    """|lr| percentiles as stacked bands (p50 .. max), one panel per group, shared log y axis."""
+                     x: XAxis = "step", width: int = 1, height_per_row: int = 300,
+                     y_scale: YScale = "auto") -> go.Figure:
+    """|lr| percentiles as stacked bands (p50 .. max), one panel per group, shared log y axis;
+    coloured low to high on a sequential scale (quantiles are ordered, not pools)."""
     groups = group_names(df, group)
     cols = min(2, len(groups))
     rows = math.ceil(len(groups) / cols)
     fig = make_subplots(rows=rows, cols=cols, subplot_titles=[label(g) if group else "fleet" for g in groups],
                         shared_yaxes=True, vertical_spacing=0.12)
+    values = np.concatenate([df[k].to_numpy(np.float64) for k, _ in quantiles]) if len(df) else np.array([])
+    scale = choose(values, y_scale, decades=1.0)
+    shades = palette.sequential(len(quantiles))
     for i, value in enumerate(groups):
         part = _rows(df, group, value).sort_values("step")
         for j, (key, name) in enumerate(quantiles):
-            color = PALETTE[j % len(PALETTE)]
-            fig.add_trace(go.Scatter(x=x_values(part, x), y=part[key], name=name, legendgroup=name,
+            color = shades[j]
+            fig.add_trace(go.Scatter(x=x_values(part, x), y=scale.shown(part[key]), name=name, legendgroup=name,
                                      mode="lines", line=dict(color=color, width=1.5), connectgaps=False,
                                      fill="tonexty" if j else None, showlegend=i == 0),
                           row=i // cols + 1, col=i % cols + 1)
-    values = np.concatenate([df[k].to_numpy(np.float64) for k, _ in quantiles]) if len(df) else np.array([])
-    if spans_decades(values, 1.0):
-        log_axis(fig)
+    apply_scale(fig, scale, values)
     fig.update_yaxes(title="|log ρ|", col=1)
     fig.update_xaxes(title=x_title(x, width), row=rows)
     return finish(fig, 60 + rows * height_per_row)

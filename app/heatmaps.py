@@ -17,7 +17,8 @@ import plotly.graph_objects as go
 
 from mismatch_monitor.engine.histogram import LogBins
 
-from .figures import XAxis, finish, spans_decades, x_title, x_values
+from .axes import choose
+from .figures import XAxis, finish, x_title, x_values
 
 
 def colorscale(name: str) -> list[list[object]]:
@@ -104,12 +105,12 @@ def bucket_heatmap(df: pd.DataFrame, value: str, bucket: str, *, labels: Mapping
     grid = frame.pivot_table(index="_row", columns="step", values=value, aggfunc="first")
     grid = grid.reindex(index=row_names, columns=steps)
     values = grid.to_numpy(np.float64)
-    log = spans_decades(values.ravel()) if log_color is None else log_color
+    scale = choose(values.ravel(), "auto" if log_color is None else "log" if log_color else "linear")
     colorbar: dict[str, object] = dict(title=value_title)
     z = values
-    if log:
+    if scale.log:   # an observed zero takes the floor's colour; only a null cell is blank
         with np.errstate(divide="ignore", invalid="ignore"):
-            z = np.where(values > 0, np.log10(np.where(values > 0, values, 1.0)), np.nan)
+            z = np.log10(scale.shown(values))
         finite = z[np.isfinite(z)]
         if finite.size:
             colorbar["tickvals"], colorbar["ticktext"] = _decade_ticks(float(finite.min()), float(finite.max()))

@@ -4,6 +4,7 @@ headline numbers. Values are formatted here once; a null is shown as "—" (no o
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -14,6 +15,8 @@ import streamlit as st
 
 from mismatch_monitor.metrics import METRIC_BY_KEY
 
+from . import data, formatting, timeline
+from .axes import SCALES, YScale
 from .loaders import ESS, Span
 from .state import View
 
@@ -22,24 +25,15 @@ HIGHER_IS_BETTER = frozenset({ESS, "mismatch/ess_capped"})
 
 
 def format_value(key: str, value: Any) -> str:
-    """A metric value for display: fractions in percent, counts with separators, else 4 significant
-    digits; "—" for no observation."""
-    if value is None or (not isinstance(value, str) and pd.isna(value)):
-        return NO_VALUE
-    v = float(value)
-    if math.isinf(v):
-        return "∞" if v > 0 else "-∞"
-    if key.endswith(("fraction", "share", "flip_rate")):
-        return f"{100.0 * v:.4g}%"
-    unit = METRIC_BY_KEY[key].unit if key in METRIC_BY_KEY else ""
-    if unit == "count":
-        return f"{v:,.0f}"
-    return f"{v:.4g}"
+    """A metric value for display (``formatting.value``: the metric's declared format)."""
+    return formatting.value(key, value)
 
 
 def metric_label(key: str) -> str:
-    metric = METRIC_BY_KEY.get(key)
-    return metric.label if metric is not None else key
+    return formatting.metric_label(key)
+
+
+readable = formatting.readable
 
 
 def trend(frame: pd.DataFrame, metric: str) -> float:
@@ -69,17 +63,41 @@ def headline(container: Any, key: str, value: Any, recent: pd.DataFrame | None, 
                      help=METRIC_BY_KEY[key].description if key in METRIC_BY_KEY else None)
 
 
+_ABSOLUTE = re.compile(r"(?:/[^/\s'\"():,]+)+/([^/\s'\"():,]+)")
+
+
+def private(text: str, view: View) -> str:
+    """``text`` as shown in a page: the run directory as the run's name, the root as "the runs
+    root", any other absolute path as its last part (a page shows no server path)."""
+    if view.run_dir is not None:
+        text = text.replace(str(view.run_dir), view.run_name or view.run_dir.name)
+    text = text.replace(str(view.root), "the runs root")
+    return _ABSOLUTE.sub(lambda m: m.group(1), text)
+
+
 def page_header(title: str, view: View, purpose: str) -> bool:
-    """Title, purpose, notices. False (after an explicit empty state) when no run can be shown."""
+    """Title, purpose, notices. False (after an explicit empty state) when no run can be shown:
+    none exists, or the chosen one's run.json cannot be read (the other runs stay usable)."""
     st.title(title)
     st.caption(purpose)
     if view.notice:
-        st.error(view.notice, icon=":material/block:")
+        st.error(private(view.notice, view), icon=":material/block:")
     if view.run_dir is None:
-        st.info(f"No run to show. The runs root `{view.root}` holds no run directory yet: log steps with "
+        st.info(f"No run to show. The runs root `{view.root.name}` holds no run directory yet: log steps with "
                 "`MismatchCollector(run_dir)` under it, or start the dashboard on another root with "
                 "`mismatch-monitor dashboard RUNS_ROOT`.", icon=":material/folder_open:")
         return False
+    if view.status == "unreadable":
+        st.error(f"Run **{view.run_name}** cannot be read: {private(view.error or 'its run.json is unreadable', view)}. "
+                 "Pick another run in the sidebar; this one opens again once its run.json is repaired.",
+                 icon=":material/broken_image:")
+        return False
+    damaged = data.damaged_files(view.run_dir)
+    if damaged:
+        listed = "; ".join(f"`{p}`: {private(r, view)}" for p, r in damaged[:5])
+        st.warning(f"{len(damaged)} data file(s) of this run are not served (the numbers shown leave them "
+                   f"out): {listed}. `mismatch-monitor compact` moves them to the run's quarantine.",
+                   icon=":material/report:")
     return True
 
 
@@ -111,9 +129,30 @@ def empty(message: str) -> None:
     st.info(message, icon=":material/info:")
 
 
-def chart(fig: go.Figure, key: str) -> None:
+Marks = tuple[pd.DataFrame, Span, str]
+
+
+def marks(view: View, span: Span) -> Marks:
+    """What the annotation layer draws on a page's time-series charts: the run's alert events
+    and resync triggers in the steps shown, binned as the series are."""
+    return data.load("alerts", view.run_dir, **view.params)["events"], span, view.x
+
+
+def chart(fig: go.Figure, key: str, events: Marks | None = None) -> None:
+    """Draw ``fig``; with ``events`` (:func:`marks`), the alert and resync lines over it."""
+    if events is not None:
+        ev, span, x = events
+        timeline.annotate(fig, ev, x=x, first=span.origin, width=span.width)  # type: ignore[arg-type]
     # theme=None: the figure's own colour scales (Streamlit's theme would recolour heatmaps)
     st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False})
+
+
+def scale_control(key: str) -> YScale:
+    """The chart's y scale (auto / linear / log), bound to the URL as ``<key>_y``."""
+    choice = st.segmented_control("y scale", list(SCALES), default="auto", key=f"{key}_y",
+                                  bind="query-params", label_visibility="collapsed",
+                                  help="auto: log when the positive values span two decades")
+    return choice if choice in SCALES else "auto"
 
 
 def live(body: Callable[[], None], view: View) -> None:

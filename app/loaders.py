@@ -17,7 +17,10 @@ import pandas as pd
 
 from mismatch_monitor import query
 from mismatch_monitor.engine.histogram import QUANTILES
+from mismatch_monitor.metrics import METRICS
 from mismatch_monitor.store import read_run_info
+
+from .routing_cells import with_zero_flips
 
 Con = duckdb.DuckDBPyConnection
 Frames = dict[str, Any]
@@ -33,12 +36,12 @@ ANY_FLIP = "mismatch/routing/any_layer_flip_fraction"
 DRIFT = ("mismatch/log_ratio/mean", "mismatch/log_ratio/std_error")
 HEADLINE: tuple[str, ...] = (K3, P99, MAX_ABS, ESS, EXTREME, FLIPS)
 BANDS: tuple[str, ...] = tuple(f"mismatch/abs_log_ratio/{name}" for name, _ in QUANTILES) + (MAX_ABS,)
-POOL_DEFAULT: tuple[str, ...] = (K3, P99, MAX_ABS, ESS, EXTREME, "mismatch/log_ratio/mean",
+STALENESS = "mismatch/staleness/mean"
+# staleness among them: an async pool that stops syncing shows there first
+POOL_DEFAULT: tuple[str, ...] = (K3, P99, MAX_ABS, ESS, EXTREME, STALENESS, "mismatch/log_ratio/mean",
                                  "mismatch/clip_high_fraction", FLIPS)
-CORRECTIONS: tuple[str, ...] = (
-    "mismatch/clip_high_fraction", "mismatch/clip_low_fraction", "mismatch/icepop_masked_fraction",
-    EXTREME, "mismatch/seq/product_mask_fraction", "mismatch/seq/geometric_mask_fraction",
-    "mismatch/seq/mult_error_mask_fraction", "mismatch/seq/neg_adv_mask_fraction")
+# every share whose value depends on a config threshold: what a correction would clip or drop
+CORRECTIONS: tuple[str, ...] = tuple(m.key for m in METRICS if m.unit == "share" and m.thresholds)
 SPARK_STEPS = 100   # steps behind each sparkline and trend
 HEATMAP_COLUMNS = 240  # step bins of the |log ρ| histogram heatmap (bins x steps cells)
 
@@ -106,8 +109,8 @@ def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) ->
                                                metrics=HEADLINE, steps=recent)
     out["recent_pools"] = query.metric_series_binned(con, run_dir, ["pool"], first=recent[0], width=1,
                                                      metrics=HEADLINE, steps=recent)
-    out["history"] = query.metric_series_binned(con, run_dir, [], first=span.origin, width=span.width,
-                                                metrics=HEADLINE, steps=span.steps)
+    out["history"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.origin, width=span.width,
+                                                metrics=HEADLINE + (STALENESS,), steps=span.steps)
     return out
 
 
@@ -175,7 +178,9 @@ def routing(con: Con, run_dir: Path, *, window: int | None, max_points: int, poo
     if span is None:
         return out
     kw: dict[str, Any] = dict(first=span.origin, width=span.width, steps=span.steps)
-    out["layers"] = query.routing_layer_series(con, run_dir, [], where=_pool_filter(pool), **kw)
+    layers = query.routing_layer_series(con, run_dir, [], where=_pool_filter(pool), **kw)
+    routed = query.aggregate_binned(con, run_dir, "tokens", [], where=_pool_filter(pool), **kw)
+    out["layers"] = with_zero_flips(layers, routed)   # a layer that routed tokens without a flip: 0
     out["pools"] = query.metric_series_binned(con, run_dir, ["pool"], metrics=[FLIPS, ANY_FLIP], **kw)
     return out
 

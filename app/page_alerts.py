@@ -42,9 +42,10 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
             st.subheader(f"{chosen} on {layout.metric_label(metric)}")
             st.caption("▲ firing · ▼ resolved · ★ resync triggered, on the line of the pool the event concerns")
             mine = ev[ev["alert"] == chosen]
+            scale = layout.scale_control("alerts_timeline")
             layout.chart(timeline.alert_timeline(d["series"], mine, metric, metric_label=layout.metric_label(metric),
                                                  x=view.x, smoothing=view.smoothing, first=span.origin,
-                                                 width=span.width), key="alerts_timeline")
+                                                 width=span.width, y_scale=scale), key="alerts_timeline")
             last = mine.iloc[-1]
             with st.expander(f"Runbook: {chosen}"):
                 st.markdown(str(last.get("runbook") or "—"))

@@ -53,7 +53,7 @@ if layout.page_header("Length and turn", view, "Per-token errors compound over l
             return
         layout.chart(figures.line_figure(cross, "crossing_length", group="pool", x=view.x,
                                          smoothing=view.smoothing, width=span.width, y_title="T* (tokens)",
-                                         log_y=True), key="lt_crossing")
+                                         y_scale="log"), key="lt_crossing", events=layout.marks(view, span))
         last = d["crossing_latest"]
         st.dataframe(last.assign(**{"T* (tokens)": last["crossing_length"].map(lambda v: layout.format_value("", v))})
                      [["pool", "step", "T* (tokens)"]], hide_index=True, width="stretch")

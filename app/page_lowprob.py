@@ -32,7 +32,7 @@ if layout.page_header("Low-probability buckets", view, "Mean |log ρ| and k3 per
                                                  y_title="sampler probability"), key=f"lowprob_{value}")
             layout.chart(figures.line_figure(buckets, value, group="bucket", labels=names, x=view.x,
                                              smoothing=view.smoothing, width=span.width, y_title=title),
-                         key=f"lowprob_{value}_lines")
+                         key=f"lowprob_{value}_lines", events=layout.marks(view, span))
         st.subheader("Tokens per bucket (steps shown)")
         totals = d["totals"].assign(bucket=d["totals"]["bucket"].map(names))
         st.dataframe(totals[["bucket", "n_tokens", "share", "mean_abs_lr", "k3_kl"]], hide_index=True,

@@ -1,10 +1,11 @@
-"""Overview: the runs under the root, what is firing, and the headline numbers with their trend."""
+"""Overview: what changed, in which pool, since when (alerts firing and recently resolved first),
+the headline numbers with their trend, and every pool's history with the alert and resync lines."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from mismatch_monitor.app import data, figures, layout, loaders, state
+from mismatch_monitor.app import data, figures, layout, loaders, state, timeline
 from mismatch_monitor.app.state import STATUS_MARK
 
 view = state.current()
@@ -26,6 +27,18 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         if span is None:
             layout.no_steps("the overview")
             return
+        events, firing = d["events"], d["firing"]
+        st.subheader("What changed, in which pool, since when")
+        changed = timeline.changes(events, span.last, loaders.SPARK_STEPS)
+        if not len(events):
+            layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
+        elif not len(changed):
+            st.success(f"No alert firing, none resolved in the last {loaders.SPARK_STEPS} steps "
+                       f"({len(events)} past event(s): see Alerts and resyncs).", icon=":material/check_circle:")
+        else:
+            if len(firing):
+                st.error(f"{len(firing)} alert(s) firing", icon=":material/notifications_active:")
+            st.dataframe(layout.readable(changed), hide_index=True, width="stretch")
         errors = d["errors"]
         st.subheader("Collector errors")
         if not len(errors):
@@ -35,16 +48,6 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
                      "first: each message says what it did to its step", icon=":material/error:")
             st.dataframe(errors[["count", "last_step", "where", "kind", "message"]], hide_index=True,
                          width="stretch")
-        events, firing = d["events"], d["firing"]
-        if not len(events):
-            layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
-        elif not len(firing):
-            st.success(f"No alert firing ({len(events)} past event(s): see Alerts and resyncs).",
-                       icon=":material/check_circle:")
-        else:
-            st.error(f"{len(firing)} alert(s) firing", icon=":material/notifications_active:")
-            st.dataframe(firing[["alert", "severity", "pool", "step", "value", "threshold", "summary"]],
-                         hide_index=True, width="stretch")
         fleet = d["latest_fleet"]
         if not len(fleet):
             layout.empty("Steps were logged but none has an observation yet: every metric is null.")
@@ -69,9 +72,14 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         st.subheader(f"Per pool at step {latest_step}")
         st.dataframe(layout.metric_table(pools_now, list(loaders.HEADLINE) + ["mismatch/n_tokens"], ["pool"]),
                      hide_index=True, width="stretch")
-        titles = {k: layout.metric_label(k) for k in loaders.HEADLINE}
-        layout.chart(figures.small_multiples(d["history"], loaders.HEADLINE, titles, x=view.x,
-                                             smoothing=view.smoothing, width=span.width, cols=3),
-                     key="overview_history")
+        shown = loaders.HEADLINE + (loaders.STALENESS,)
+        titles = {k: layout.metric_label(k) for k in shown}
+        st.subheader("Per pool over the run")
+        st.caption("Vertical lines: alert fired (red), resolved (green, dotted), resync triggered (purple, dashed).")
+        scale = layout.scale_control("overview_history")
+        layout.chart(figures.small_multiples(d["history"], shown, titles, group="pool", x=view.x,
+                                             smoothing=view.smoothing, width=span.width, cols=3,
+                                             y_scale=scale),
+                     key="overview_history", events=layout.marks(view, span))
 
     layout.live(body, view)

@@ -51,8 +51,9 @@ if layout.page_header("Pools", view, "Each sampler pool against the others: its 
             layout.empty("Steps were logged but none has an observation yet.")
         else:
             titles = {k: layout.metric_label(k) for k in metrics}
+            scale = layout.scale_control("pools_series")
             layout.chart(figures.small_multiples(d["series"], list(metrics), titles, group="pool", x=view.x,
-                                                 smoothing=view.smoothing, width=span.width),
-                         key="pools_series")
+                                                 smoothing=view.smoothing, width=span.width, y_scale=scale),
+                         key="pools_series", events=layout.marks(view, span))
 
     layout.live(body, view)

@@ -30,8 +30,9 @@ if layout.page_header("Routing", view, "A rounding-level router difference sends
                      key="routing_layers")
         st.subheader("Per pool")
         titles = {loaders.FLIPS: "flip rate (token, layer)", loaders.ANY_FLIP: "tokens with ≥ 1 flipped layer"}
+        scale = layout.scale_control("routing_pools")
         layout.chart(figures.small_multiples(d["pools"], [loaders.FLIPS, loaders.ANY_FLIP], titles,
                                              group="pool", x=view.x, smoothing=view.smoothing,
-                                             width=span.width), key="routing_pools")
+                                             width=span.width, y_scale=scale), key="routing_pools", events=layout.marks(view, span))
 
     layout.live(body, view)

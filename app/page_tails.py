@@ -31,11 +31,13 @@ if layout.page_header("Tails", view, "Tails move before the mean and before a co
                                                width=d["hist_width"]), key="tails_hist")
         bands = [(k, layout.metric_label(k)) for k in loaders.BANDS]
         st.subheader("Percentile bands per pool")
-        layout.chart(figures.percentile_bands(d["bands"], bands, group="pool", x=view.x, width=span.width),
-                     key="tails_bands")
+        scale = layout.scale_control("tails_bands")
+        layout.chart(figures.percentile_bands(d["bands"], bands, group="pool", x=view.x, width=span.width,
+                                              y_scale=scale),
+                     key="tails_bands", events=layout.marks(view, span))
         st.subheader("Drift: signed mean log ratio (±2 standard errors)")
         mean, se = loaders.DRIFT
         layout.chart(figures.drift_figure(d["bands"], mean, se, group="pool", x=view.x,
-                                          smoothing=view.smoothing, width=span.width), key="tails_drift")
+                                          smoothing=view.smoothing, width=span.width), key="tails_drift", events=layout.marks(view, span))
 
     layout.live(body, view)

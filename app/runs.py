@@ -64,18 +64,21 @@ def resolve_run(root: Path, requested: str) -> Path:
     text = str(requested).strip()
     if not text:
         raise RunNotFound("no run named (an empty name)")
+    if not text.isprintable():   # a null byte or a control character: no path has it
+        raise RunNotFound(f"no run is named {text!r}: a run name has no control characters")
     named = list_runs(root).get(text)
     if named is not None:
         return named
     candidate = Path(text).expanduser()
     candidate = (candidate if candidate.is_absolute() else root / candidate).resolve()
     if not _under(root, candidate):
+        # the message is shown in the page: it names no server path
         raise RunOutsideRoot(
-            f"refused to open {text!r}: it resolves to {candidate}, outside the runs root {root}. "
+            f"refused to open {text!r}: it resolves outside the runs root. "
             f"The dashboard only opens runs under its root; start it with "
             f"`mismatch-monitor dashboard RUNS_ROOT` to serve another directory.")
     if not (candidate / RUN_FILE).is_file():
-        raise RunNotFound(f"{text!r} is not a run under {root} (no {RUN_FILE} in {candidate})")
+        raise RunNotFound(f"{text!r} is not a run under the runs root (no {RUN_FILE} there)")
     return candidate
 
 

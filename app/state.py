@@ -39,6 +39,7 @@ class View:
     refresh: float | None = 15.0
     notice: str | None = None          # why a requested run is not shown
     run_names: tuple[str, ...] = ()
+    error: str | None = None           # why the chosen run cannot be read (status "unreadable")
 
     @property
     def live(self) -> bool:
@@ -70,6 +71,7 @@ def sidebar(root: Path) -> View:
         runs = pd.concat([runs, pd.DataFrame([describe(extra, resolve_run(root, extra))])], ignore_index=True)
         names.append(extra)
     status = dict(zip(runs["name"], runs["status"]))
+    errors = {n: e for n, e in zip(runs["name"], runs["error"]) if isinstance(e, str)}
     side = st.sidebar
     name: str | None = None
     if names:
@@ -80,6 +82,8 @@ def sidebar(root: Path) -> View:
         name = side.selectbox("Run", names, index=names.index(order["name"].iloc[0]), key="run",
                               bind="query-params")
         side.caption(STATUS_MARK.get(status.get(name, ""), "?"))
+        if st.query_params.get("run") != name:   # the default too: a copied URL names its run
+            st.query_params["run"] = name
     else:
         side.warning(f"No runs under {root}")
     x_label = side.segmented_control("x axis", list(X_AXES), default="step", key="x", bind="query-params")
@@ -87,7 +91,7 @@ def sidebar(root: Path) -> View:
                             key="smooth", bind="query-params")
     window = side.selectbox("Steps shown", list(WINDOWS), key="window", bind="query-params")
     refresh = side.selectbox("Live refresh", list(REFRESH), index=2, key="refresh", bind="query-params")
-    side.caption(f"Runs root: `{root}`")
+    side.caption(f"Runs root: `{root.name}`")
     run_dir = None
     if name is not None:
         try:
@@ -97,7 +101,7 @@ def sidebar(root: Path) -> View:
     view = View(root=root, run_dir=run_dir, run_name=name, status=status.get(name) if name else None,
                 x=X_AXES.get(x_label or "step", "step"), smoothing=float(smoothing or 0.0),
                 window=WINDOWS.get(window), refresh=REFRESH.get(refresh, 15.0), notice=notice,
-                run_names=tuple(names))
+                run_names=tuple(names), error=errors.get(name) if name else None)
     st.session_state[VIEW_KEY] = view
     return view
 

@@ -8,8 +8,8 @@ import plotly.graph_objects as go
 
 from mismatch_monitor.report_keys import label_text
 
-from .figures import (XAxis, add_series, color_map, finish, group_names, label, log_axis, spans_decades,
-                      x_title)
+from .axes import YScale, choose
+from .figures import XAxis, add_series, apply_scale, color_map, finish, group_names, label, x_title
 
 # state -> (marker symbol, colour, legend name)
 MARKERS: dict[str, tuple[str, str, str]] = {
@@ -41,14 +41,18 @@ def event_positions(series: pd.DataFrame, events: pd.DataFrame, metric: str, *, 
 
 def alert_timeline(series: pd.DataFrame, events: pd.DataFrame, metric: str, *, metric_label: str,
                    x: XAxis = "step", smoothing: float = 0.0, first: int = 0, width: int = 1,
-                   height: int = 420) -> go.Figure:
+                   height: int = 420, y_scale: YScale = "auto") -> go.Figure:
     """The metric per pool over steps, with a marker per alert event (firing / resolved) and a
     star plus a vertical line per resync trigger, placed on the pool's line at the event's step."""
     fig = go.Figure()
+    values = series[metric].to_numpy("float64") if len(series) else np.array([])
+    scale = choose(values, y_scale)
     if len(series):
-        add_series(fig, series, metric, group="pool", x=x, smoothing=smoothing,
+        add_series(fig, series, metric, group="pool", x=x, smoothing=smoothing, scale=scale,
                    colors=color_map(group_names(series, "pool")))
     ev = event_positions(series, events, metric, first=first, width=width) if len(events) else events
+    if len(ev):
+        ev = ev.assign(y=scale.shown(ev["y"]))
     for state, (symbol, color, name) in MARKERS.items():
         part = ev[ev["state"] == state] if len(ev) else ev
         if not len(part):
@@ -70,10 +74,8 @@ def alert_timeline(series: pd.DataFrame, events: pd.DataFrame, metric: str, *, m
             marker=dict(symbol=RESYNC[0], size=16, color=RESYNC[1], line=dict(width=1, color="black")),
             text=[f"resync {label(p)} at step {s}" for p, s in zip(resync["pool"], resync["step"])],
             hovertemplate="%{text}<extra></extra>"))
-    values = series[metric] if len(series) else pd.Series([], dtype="float64")
     fig.update_yaxes(title=metric_label)
-    if spans_decades(values):
-        log_axis(fig)
+    apply_scale(fig, scale, values)
     fig.update_xaxes(title=x_title(x, width))
     finish(fig, height)
     return fig
@@ -106,3 +108,59 @@ def events_strip(events: pd.DataFrame, *, x: XAxis = "step", height_per_alert: i
     finish(fig, 120 + height_per_alert * len(names))
     fig.update_layout(hovermode="closest")
     return fig
+
+
+def annotate(fig: go.Figure, events: pd.DataFrame, *, x: XAxis = "step", first: int = 0,
+             width: int = 1) -> go.Figure:
+    """The shared annotation layer of every time-series chart: a vertical line at each alert
+    firing (red), resolution (green, dotted) and resync trigger (purple, dashed), across every
+    subplot, at the step bin the event falls in. Lines are layout shapes: they never stretch
+    the axes (a log axis keeps its range)."""
+    if not len(events):
+        return fig
+    ev = events.copy()
+    ev["bin"] = first + (ev["step"].astype("int64") - first) // width * width
+    resync = (ev["state"] == "firing") & ev["resync"].fillna(False).astype(bool)
+    xrefs, shapes = _column_axes(fig), []
+    for rows, color, dash in ((ev["state"] == "firing") & ~resync, MARKERS["firing"][1], "solid"), \
+                             (ev["state"] == "resolved", MARKERS["resolved"][1], "dot"), \
+                             (resync, RESYNC[1], "dash"):
+        part = ev[rows]
+        xs = part["bin"] if x == "step" else pd.to_datetime(part["wall_time"], unit="s", utc=True)
+        for xv in xs.drop_duplicates():
+            shapes += [dict(type="line", xref=xref, yref="paper", x0=xv, x1=xv, y0=0, y1=1, opacity=0.6,
+                            line=dict(color=color, dash=dash, width=1), layer="below") for xref in xrefs]
+    fig.update_layout(shapes=list(fig.layout.shapes) + shapes)   # at once: add_vline per subplot is slow
+    return fig
+
+
+def _column_axes(fig: go.Figure) -> list[str]:
+    """One x axis per column of subplots (those of the first row; a column shares its x axis)."""
+    grid = getattr(fig, "_grid_ref", None)
+    if not grid:
+        return ["x"]
+    return [cell[0].layout_keys[0].replace("axis", "") for cell in grid[0] if cell]
+
+
+def changes(events: pd.DataFrame, last_step: int, recent: int) -> pd.DataFrame:
+    """What changed, in which pool, since when: one row per (alert, pool) that is firing now or
+    resolved within the last ``recent`` steps up to ``last_step``; firing first, newest first.
+    ``since`` is the step of its latest event; ``first_fired`` its first firing in the run."""
+    cols = ["state", "alert", "severity", "pool", "since", "first_fired", "episodes", "resyncs", "value",
+            "threshold", "summary"]
+    if not len(events):
+        return pd.DataFrame(columns=cols)
+    ev = events.sort_values("step", kind="stable")
+    firing = ev[ev["state"] == "firing"]
+    keys = ["alert", "pool"]
+    agg = firing.assign(_resync=firing["resync"].fillna(False).astype(bool)).groupby(keys, dropna=False).agg(
+        first_fired=("step", "min"), episodes=("step", "size"), resyncs=("_resync", "sum"))
+    last = ev.groupby(keys, dropna=False).tail(1).rename(columns={"step": "since"})
+    last = last[(last["state"] == "firing") | (last["since"] >= last_step - recent + 1)]
+    out = last.merge(agg.reset_index(), on=keys, how="left")
+    out = out.assign(_order=(out["state"] != "firing").astype(int)).sort_values(
+        ["_order", "since"], ascending=[True, False], kind="stable")
+    for c in cols:
+        if c not in out.columns:
+            out[c] = pd.NA
+    return out[cols].reset_index(drop=True)

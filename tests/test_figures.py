@@ -45,9 +45,10 @@ def test_ema_matches_normalised_exponential_weights_and_skips_gaps() -> None:
 
 
 @pytest.mark.parametrize("values, decades, log", [
-    ([1e-6, 1e-3, 1e-1], 2.0, True), ([0.5, 0.9, 1.0], 2.0, False), ([0.0, 1e-3, 1.0], 2.0, False),
+    ([1e-6, 1e-3, 1e-1], 2.0, True), ([0.5, 0.9, 1.0], 2.0, False), ([0.0, 1e-3, 1.0], 2.0, True),
+    ([-1e-3, 1e-3, 1.0], 2.0, False), ([0.0, 0.0, 1.0], 2.0, False),
     ([1e-3, np.nan, 0.2], 2.0, True), ([1e-3, 5e-3], 1.0, False), ([1e-3], 0.0, False)])
-def test_log_axes_only_where_positive_values_span_decades(values, decades, log) -> None:
+def test_log_axes_where_positive_values_span_decades_zeros_allowed(values, decades, log) -> None:
     assert figures.spans_decades(values, decades) is log
 
 
@@ -62,7 +63,8 @@ def test_line_figure_draws_each_pool_raw_and_smoothed() -> None:
     assert names == ["bf16 (raw)", "bf16", "fp8 (raw)", "fp8"]
     raw, smoothed = smooth.data[0], smooth.data[1]
     assert raw.opacity < 1 and smoothed.opacity in (None, 1)
-    assert np.allclose(smoothed.y, figures.ema(df.loc[df["pool"] == "bf16", K3], 0.5))
+    # a log axis: smoothed on log values (what the eye sees), a geometric EMA
+    assert np.allclose(smoothed.y, 10 ** figures.ema(np.log10(df.loc[df["pool"] == "bf16", K3]), 0.5))
     assert raw.line.color == smoothed.line.color
 
 

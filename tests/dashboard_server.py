@@ -1,0 +1,73 @@
+"""One dashboard server and one headless Chromium for a browser-test module: Streamlit on a free
+127.0.0.1 port (stopped by its process group), Debian's Chromium driven by Playwright through
+``executable_path`` (browsers are never downloaded)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Iterator
+
+from mismatch_monitor.app.navigation import APP_DIR
+
+LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+               "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts" / "dashboard"
+# drawn: the script finished, a title is shown, no placeholder left, every chart rendered
+READY = """() => {
+  const app = document.querySelector('[data-testid="stApp"]');
+  return app && app.getAttribute('data-test-script-state') === 'notRunning'
+    && document.querySelector('h1')
+    && !document.querySelector('[data-testid="stSkeleton"]')
+    && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(e => e.querySelector('.main-svg'));
+}"""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(root: Path, log: IO[str]) -> Iterator[str]:
+    """Yield the base URL of a dashboard on ``root``; stop it (its whole process group) after."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamlit", "run", str(APP_DIR / "main.py"),
+                             "--server.address", "127.0.0.1", "--server.port", str(port),
+                             "--server.headless", "true", "--browser.gatherUsageStats", "false",
+                             "--", "--runs-root", str(root)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.read() == b"ok":
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"the dashboard did not start:\n{log.read()}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_drawn(page) -> None:  # noqa: ANN001 - a Playwright page
+    page.wait_for_function(READY, timeout=120_000)
+    page.wait_for_timeout(300)            # a rerun may start right after the first paint
+    page.wait_for_function(READY, timeout=120_000)
