@@ -14,7 +14,7 @@ from typing import Literal
 
 from .engine.fields import TABLES
 from .engine.histogram import QUANTILES
-from .formulas import ESS, Formula, Quantile, Ratio, StdError, Value
+from .formulas import ESS, Formula, Quantile, Ratio, StdError, Value, Variance
 
 # "share": a fraction of tokens or sequences in [0, 1]; "ratio": a dimensionless ratio that is
 # not a share (ESS, chi^2, multiplicative error); "log-ratio": in units of lr = log pi - log mu
@@ -116,6 +116,10 @@ METRICS: tuple[Metric, ...] = (
     _s("mismatch/seq/n_sequences", "count", "sequences", "sequences with a valid token", Value(S), counters=True),
     _s("mismatch/seq/log_ratio/mean", "log-ratio", "mean seq log ratio", "mean over sequences of sum_t lr",
        Ratio("sum_seq_lr", S)),
+    _s("mismatch/seq/log_ratio/variance", "log-ratio", "var. of seq log ratio",
+       "unbiased variance over sequences of sum_t lr; read by length bucket it grows like T (its std like "
+       "sqrt T) for independent token noise and like T^2 for a bias shared by a sequence's tokens",
+       Variance("sum_seq_lr", "sum_seq_lr2", S)),
     _s("mismatch/seq/log_ratio/min", "log-ratio", "min seq log ratio", "smallest sum_t lr", Value("min_seq_lr")),
     _s("mismatch/seq/log_ratio/max", "log-ratio", "max seq log ratio", "largest sum_t lr", Value("max_seq_lr")),
     _s("mismatch/seq/mean_log_ratio/mean", "log-ratio", "mean geo. log ratio",

@@ -374,7 +374,8 @@ def reference_tables(case: Case, config: MetricConfig) -> dict[str, pd.DataFrame
         sl, ml, mx = g["sum_lr"].to_numpy(), g["mean_lr"].to_numpy(), g["max_abs"].to_numpy()
         prod, geo = np.exp(sl), np.exp(ml)
         row = dict(base, n_sequences=len(g), sum_seq_len=int(g["n"].sum()), sum_seq_lr=sl.sum(),
-                   sum_seq_mean_lr=ml.sum(), sum_seq_max_abs_lr=mx.sum(), min_seq_lr=sl.min(),
+                   sum_seq_lr2=float(np.sum(sl * sl)), sum_seq_mean_lr=ml.sum(), sum_seq_max_abs_lr=mx.sum(),
+                   min_seq_lr=sl.min(),
                    max_seq_lr=sl.max(), max_seq_max_abs_lr=mx.max(),
                    n_drop_product=int(((prod <= config.seq_product_band[0]) | (prod > config.seq_product_band[1])).sum()),
                    n_drop_geometric=int(((geo <= config.seq_geometric_band[0]) | (geo > config.seq_geometric_band[1])).sum()),
@@ -494,8 +495,8 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
 
 def _reference_seq_metrics(case: Case, config: MetricConfig, seqs: pd.DataFrame, by: Sequence[str],
                            key: tuple) -> dict:
-    keys = ("n_sequences", "log_ratio/mean", "log_ratio/min", "log_ratio/max", "mean_log_ratio/mean",
-            "max_abs_log_ratio/mean", "product_mask_fraction", "geometric_mask_fraction",
+    keys = ("n_sequences", "log_ratio/mean", "log_ratio/variance", "log_ratio/min", "log_ratio/max",
+            "mean_log_ratio/mean", "max_abs_log_ratio/mean", "product_mask_fraction", "geometric_mask_fraction",
             "mult_error_mask_fraction", "neg_adv_mask_fraction")
     res = {f"mismatch/seq/{k}": np.nan for k in keys}
     res["mismatch/staleness/mean"] = res["mismatch/staleness/max"] = np.nan
@@ -512,6 +513,7 @@ def _reference_seq_metrics(case: Case, config: MetricConfig, seqs: pd.DataFrame,
     res.update({
         "mismatch/seq/n_sequences": float(len(g)),
         "mismatch/seq/log_ratio/mean": sl.mean(), "mismatch/seq/log_ratio/min": sl.min(),
+        "mismatch/seq/log_ratio/variance": float(np.var(sl, ddof=1)) if len(sl) > 1 else np.nan,
         "mismatch/seq/log_ratio/max": sl.max(), "mismatch/seq/mean_log_ratio/mean": ml.mean(),
         "mismatch/seq/max_abs_log_ratio/mean": g["max_abs"].mean(),
         "mismatch/seq/product_mask_fraction": np.mean(~((np.exp(sl) > config.seq_product_band[0]) & (np.exp(sl) <= config.seq_product_band[1]))),

@@ -18,7 +18,7 @@ from mismatch_monitor.metrics import report, title_of
 from reference import make_case
 
 CONFIG = MetricConfig(chunk_tokens=1024)
-NEW = ("mismatch/rho/mean",)
+NEW = ("mismatch/rho/mean", "mismatch/seq/log_ratio/variance")
 
 
 @pytest.mark.parametrize("metric", METRICS + VIEW_METRICS, ids=lambda m: m.key)
@@ -75,3 +75,4 @@ def test_new_metrics_obey_the_merge_law_by_length_bucket(seed):
     merged = report(merge(parts), ["length_bucket"])
     for key in NEW:
         np.testing.assert_allclose(merged[key], whole[key], rtol=1e-9, equal_nan=True)
+    assert np.isfinite(whole["mismatch/seq/log_ratio/variance"]).any()

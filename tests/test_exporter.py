@@ -75,6 +75,10 @@ def test_gauges_match_the_reference_per_pool_hardware_and_fleet():
         order_stat = np.sort(np.abs(x))[math.ceil(0.99 * x.size) - 1]          # nearest rank
         assert value(reg, "mismatch_abs_log_ratio_p99", **labels) == pytest.approx(order_stat, rel=alpha)
         assert value(reg, "mismatch_rho_mean_ratio", **labels) == pytest.approx(rho.mean(), rel=1e-12)
+        seq_sums = lr[rows].sum(1)                     # one sequence per row
+        if len(seq_sums) > 1:                          # one sequence has no variance
+            assert value(reg, "mismatch_seq_log_ratio_variance", **labels) == pytest.approx(
+                np.var(seq_sums, ddof=1), rel=1e-9)
     assert value(reg, "mismatch_last_step") == 7
     assert value(reg, "mismatch_routing_flip_rate_ratio") is None      # no expert ids: no sample, not 0
 

@@ -80,6 +80,7 @@ SEQUENCE_FIELDS: tuple[Field, ...] = (
     _f("n_sequences", "sum", "int64", "sequences with at least one valid token"),
     _f("sum_seq_len", "sum", "int64", "valid tokens in those sequences"),
     _f("sum_seq_lr", "sum", "float64", "sum over sequences of sum_t lr (log product ratio)"),
+    _f("sum_seq_lr2", "sum", "float64", "sum over sequences of (sum_t lr)^2 (its variance by length bucket)"),
     _f("sum_seq_mean_lr", "sum", "float64", "sum over sequences of mean_t lr (log geometric-mean ratio)"),
     _f("sum_seq_max_abs_lr", "sum", "float64", "sum over sequences of max_t |lr|"),
     _f("min_seq_lr", "min", "float64", "smallest sum_t lr of a sequence"),

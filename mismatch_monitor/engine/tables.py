@@ -202,7 +202,8 @@ def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, con
     data: dict[str, object] = dict(keys)
     data.update({
         "n_sequences": cnt(ok), "sum_seq_len": np.bincount(cell, weights=n, minlength=S + 1)[:S].round(),
-        "sum_seq_lr": ssum(seq_lr), "sum_seq_mean_lr": ssum(mean_lr), "sum_seq_max_abs_lr": ssum(max_abs),
+        "sum_seq_lr": ssum(seq_lr), "sum_seq_lr2": ssum(seq_lr * seq_lr),
+        "sum_seq_mean_lr": ssum(mean_lr), "sum_seq_max_abs_lr": ssum(max_abs),
         "min_seq_lr": extreme(seq_lr, np.minimum, np.inf), "max_seq_lr": extreme(seq_lr, np.maximum, -np.inf),
         "max_seq_max_abs_lr": extreme(max_abs, np.maximum, -np.inf),
         "n_drop_product": cnt(outside(seq_lr, config.seq_product_band)),
