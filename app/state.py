@@ -78,11 +78,13 @@ def sidebar(root: Path) -> View:
         # default: the run that moved last (a live one if any)
         order = runs.assign(_live=runs["status"] == "live").sort_values(
             ["_live", "last_update"], ascending=False, na_position="last")
-        # options are plain names: a bound widget's URL value is the displayed option
-        name = side.selectbox("Run", names, index=names.index(order["name"].iloc[0]), key="run",
-                              bind="query-params")
+        # not bound to the URL: a bound widget leaves its default out, and a copied URL must name
+        # its run, default included; the URL's run is the initial choice
+        requested = st.query_params.get("run")
+        first = extra or (requested if requested in names else order["name"].iloc[0])
+        name = side.selectbox("Run", names, index=names.index(first), key="run")
         side.caption(STATUS_MARK.get(status.get(name, ""), "?"))
-        if st.query_params.get("run") != name:   # the default too: a copied URL names its run
+        if st.query_params.get("run") != name:
             st.query_params["run"] = name
     else:
         side.warning(f"No runs under {root}")

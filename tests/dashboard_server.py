@@ -68,6 +68,11 @@ def serve(root: Path, log: IO[str]) -> Iterator[str]:
 
 
 def wait_drawn(page) -> None:  # noqa: ANN001 - a Playwright page
-    page.wait_for_function(READY, timeout=120_000)
+    try:
+        page.wait_for_function(READY, timeout=120_000)
+    except Exception:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "not_drawn.png"), full_page=True)   # what was shown instead
+        raise
     page.wait_for_timeout(300)            # a rerun may start right after the first paint
     page.wait_for_function(READY, timeout=120_000)
