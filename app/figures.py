@@ -179,6 +179,7 @@ def percentile_bands(df: pd.DataFrame, quantiles: Sequence[tuple[str, str]], *, 
                                      fill="tonexty" if j else None, showlegend=i == 0),
                           row=i // cols + 1, col=i % cols + 1)
     apply_scale(fig, scale, values)
+    fig.update_yaxes(tickformat="~g")   # plain or scientific, never an SI prefix ("100μ")
     fig.update_yaxes(title="|log ρ|", col=1)
     fig.update_xaxes(title=x_title(x, width), row=rows)
     return finish(fig, 60 + rows * height_per_row)

@@ -80,7 +80,7 @@ def hist_heatmap(hist: pd.DataFrame, bins: LogBins, *, x: XAxis = "step", width:
         colorscale=colorscale("Viridis"), hoverongaps=False,
         colorbar=dict(title="tokens", tickvals=tickvals, ticktext=ticktext),
         hovertemplate="x=%{x}<br>|log ρ| in %{customdata[1]}<br>tokens=%{customdata[0]:,.0f}<extra></extra>"))
-    fig.update_yaxes(type="log", dtick=1, title="|log ρ| (log scale)")
+    fig.update_yaxes(type="log", dtick=1, title="|log ρ| (log scale)", tickformat="~g")  # no SI prefix
     fig.update_xaxes(title=x_title(x, width))
     title = f"{zero:,} tokens with |log ρ| < {bins.min_value:g} not shown" if zero else None
     finish(fig, height, title)
