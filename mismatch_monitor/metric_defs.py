@@ -21,7 +21,7 @@ from .formulas import ESS, Formula, Quantile, Ratio, StdError, Value, Variance
 Unit = Literal["nats", "share", "ratio", "count", "steps", "log-ratio"]
 Table = Literal["tokens", "sequences", "abs_hist", "lowprob", "routing_layers"]
 # the format spec each unit is shown with unless a declaration names its own
-DEFAULT_FORMAT: dict[str, str] = {"nats": ".3g", "share": ".2%", "ratio": ".3g", "count": ",.0f",
+DEFAULT_FORMAT: dict[str, str] = {"nats": ".3g", "share": ".3%", "ratio": ".3g", "count": ",.0f",
                                   "steps": ".3g", "log-ratio": ".3g"}
 
 

@@ -18,7 +18,7 @@ def test_every_metric_has_a_unit_and_a_format_that_formats_a_float(key):
 
 def test_shares_read_as_percent_and_counts_without_decimals():
     assert unit_of("mismatch/clip_high_fraction") == "share"
-    assert format(0.0123, format_of("mismatch/clip_high_fraction")) == "1.23%"
+    assert format(0.0123, format_of("mismatch/clip_high_fraction")) == "1.230%"
     assert unit_of("mismatch/n_tokens") == "count"
     assert format(12345.0, format_of("mismatch/n_tokens")) == "12,345"
     assert unit_of("mismatch/k3_kl") == "nats"
