@@ -15,9 +15,9 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
                       f"cover the last {loaders.SPARK_STEPS} steps."):
     with st.expander("Runs under the root", expanded=len(view.run_names) > 1):
         runs = data.catalog(view.root)
-        st.dataframe(runs.assign(status=runs["status"].map(lambda s: STATUS_MARK.get(s, s)),
-                                 last_update=runs["last_update"].map(layout.when))
-                     [["name", "run_id", "status", "steps", "last_step", "last_update", "pools"]],
+        st.dataframe(layout.readable(runs.assign(status=runs["status"].map(lambda s: STATUS_MARK.get(s, s)),
+                                                 last_update=runs["last_update"].map(layout.when))
+                                     [["name", "run_id", "status", "steps", "last_step", "last_update", "pools"]]),
                      hide_index=True, width="stretch")
 
     def body() -> None:
