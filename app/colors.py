@@ -13,9 +13,11 @@ from typing import Iterable
 
 from plotly.colors import qualitative, sample_colorscale
 
-# 20 distinct hues; the Plotly default first so a one-pool chart looks like plotly's
-PALETTE: tuple[str, ...] = tuple(qualitative.Plotly) + tuple(qualitative.D3)
 NO_POOL_COLOR = "#7f7f7f"
+# 19 distinct hues, the Plotly default first so a one-pool chart looks like plotly's; D3's grey is
+# left out: it is the colour of the rows without a pool, which no named pool may share
+PALETTE: tuple[str, ...] = tuple(c for c in (*qualitative.Plotly, *qualitative.D3)
+                                 if c.lower() != NO_POOL_COLOR)
 
 
 def slot(name: str) -> int:
@@ -26,7 +28,7 @@ def slot(name: str) -> int:
 
 def assign(names: Iterable[str], no_pool: str | None = None) -> dict[str, str]:
     """Label text -> colour for the names of one figure: each its hashed slot, a collision
-    resolved by the next free slot in label order (slots are reused past 20 names)."""
+    resolved by the next free slot in label order (slots are reused past 19 names)."""
     taken: set[int] = set()
     out: dict[str, str] = {}
     for name in sorted(set(names)):

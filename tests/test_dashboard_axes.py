@@ -76,6 +76,12 @@ def test_a_pool_keeps_its_colour_whatever_other_pools_a_figure_shows() -> None:
     assert figures.color_map([None])[figures.NO_POOL] == colors.NO_POOL_COLOR
 
 
+def test_no_named_pool_shares_the_colour_of_the_rows_without_a_pool() -> None:
+    names = ["fp8", "bf16", "fp16", "fp32", "int4", "int8", "stale", "top_p"] + [f"pool{i}" for i in range(200)]
+    assert colors.NO_POOL_COLOR not in {c.lower() for c in colors.PALETTE}
+    assert colors.NO_POOL_COLOR not in set(figures.color_map(names).values())
+
+
 def test_colliding_names_get_distinct_colours_deterministically() -> None:
     by_slot: dict[int, list[str]] = {}
     for i in range(200):
@@ -147,7 +153,12 @@ def test_changes_list_firing_first_then_recently_resolved_with_since() -> None:
 def test_formats_come_from_the_metric_declarations() -> None:
     from mismatch_monitor.app import formatting
 
-    assert formatting.value("mismatch/extreme_fraction", 0.0123) == "1.23%"
+    from mismatch_monitor import metrics
+
+    share = "mismatch/extreme_fraction"
+    assert metrics.unit_of(share) == "share"
+    assert formatting.value(share, 0.0123) == format(0.0123, metrics.format_of(share))   # its declared format
+    assert formatting.value(share, 0.0123).startswith("1.23") and formatting.value(share, 0.0123).endswith("%")
     assert formatting.value("mismatch/k3_kl", 1e-4) == "0.0001"           # no "100μ"
     assert formatting.value("mismatch/k3_kl", None) == "—"
     assert formatting.tick_format("mismatch/extreme_fraction").endswith("%")
