@@ -9,12 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import IO, Iterator
 
 from mismatch_monitor.app.navigation import APP_DIR
+from mismatch_monitor.cli.dashboard import DashboardError, wait_until_serving
 
 LAUNCH_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -45,18 +44,11 @@ def serve(root: Path, log: IO[str]) -> Iterator[str]:
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.read() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                raise RuntimeError(f"the dashboard did not start:\n{log.read()}")
-            time.sleep(0.3)
+        try:
+            wait_until_serving(proc, url, timeout=120)
+        except DashboardError as exc:
+            log.seek(0)
+            raise RuntimeError(f"{exc}:\n{log.read()}") from exc
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)

@@ -18,8 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +25,7 @@ import pytest
 from playwright.sync_api import ConsoleMessage, Page, sync_playwright
 
 from mismatch_monitor.app.navigation import PAGES
+from mismatch_monitor.cli.dashboard import DashboardError, wait_until_serving
 from test_app_pages import EXPECTED
 from external_tools import find, needs
 from test_app_runs import DashboardRoot, dashboard_root, fleet_case
@@ -74,18 +73,11 @@ def server(runs: DashboardRoot, tmp_path_factory: pytest.TempPathFactory) -> Ite
                             stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.read() == b"ok":
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"the dashboard did not start:\n{log.read()}")
-            time.sleep(0.3)
+        try:
+            wait_until_serving(proc, url, timeout=90)
+        except DashboardError as exc:
+            log.seek(0)
+            pytest.fail(f"{exc}:\n{log.read()}")
         listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
         local = [line.split()[3] for line in listening.splitlines() if line.strip()]
         assert local and all(a.startswith("127.0.0.1:") for a in local), listening   # loopback only
