@@ -41,6 +41,7 @@ from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warni
 from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
 from .distributed import DistributedReducer, distributed_world, launched_world
 from .errors import ErrorLog
+from .run_log import RunLog, check_event_call, check_outcomes_call
 
 log = logging.getLogger("mismatch_monitor")
 
@@ -83,6 +84,7 @@ class MismatchCollector:
         self._alert_callbacks: list[Callable[[Any], None]] = []
         self._resync_callbacks: list[Callable[[Any], None]] = []
         self.errors = ErrorLog()
+        self.run_log = RunLog(clock, self._note, strict)   # events and outcomes
         self.pools = {k: dict(v) for k, v in (pools or {}).items()}
         self.writer: RunWriter | None = None
         self._finalizer: weakref.finalize | None = None
@@ -113,6 +115,7 @@ class MismatchCollector:
         options, self._writer_options = self._writer_options, None
         if self.reducer is None or self.reducer.is_writer:
             self.writer = RunWriter(self._run_dir, **options)
+            self.run_log.attach(self.writer)
             if self._default_alerts:
                 self.alert_evaluator = default_evaluator(self.writer.run_dir)
             # flush what is buffered if the process exits without close() (finalize runs at exit)
@@ -181,6 +184,7 @@ class MismatchCollector:
         warnings: list[Exception] = []
         try:
             index = checked_step(step)
+            self.run_log.step_logged(index)
             batch = self._as_batch(batch, fields)
             stats, per_sequence = compute_stats_with_sequences(batch, self.config, workers=self.workers)
             warnings = data_warnings(batch, stats)
@@ -230,6 +234,26 @@ class MismatchCollector:
             self._append_empty(index, wall)
             return {"mismatch/collector_errors": float(self.error_count)}
 
+    # ------------------------------------------------------------------ events and outcomes
+    def log_event(self, kind: str, *, step: int | None = None, pool: str | None = None,
+                  version: int | None = None, message: str = "") -> None:
+        """Record a ``"weight_sync"``, ``"resume"``, ``"resync"`` or ``"resync_request"`` in the
+        run's ``events`` table. ``step``: the first step whose batches come after it (None: the
+        step after the last one logged); ``pool``: None for every pool; ``version``: the weight
+        version now in place (``run_log.py`` says what raises and what is counted)."""
+        check_event_call(kind, step, pool, version, message)   # a mistake in the call raises
+        self.resolve_reducer()
+        self.run_log.event(kind, step, pool, version, message)
+
+    def log_outcomes(self, step: int, values: Mapping[str, float], *, pool: str | None = None) -> None:
+        """Record training outcomes of ``step`` (``{"reward": ..., "loss": ..., "grad_norm": ...,
+        "entropy": ...}`` or any other names; ``pool=None``: the whole batch) in the run's
+        ``outcomes`` table, beside its mismatch statistics. A non-finite value is counted and
+        left out; the others are stored."""
+        floats = check_outcomes_call(step, values, pool)          # a mistake in the call raises
+        self.resolve_reducer()
+        self.run_log.outcomes(step, floats, pool)
+
     def _note_rejections(self, wall: float) -> None:
         """Count and record the shards of other ranks the writer left out of this step."""
         take = getattr(self.reducer, "take_rejections", None)
@@ -252,6 +276,11 @@ class MismatchCollector:
             for fn in self._alert_callbacks:
                 self._call(fn, event, "on_alert", step)
             if getattr(event, "resync", False) and getattr(event, "state", None) == "firing":
+                # in the run before the callbacks (which may log the resync they do): from the next step
+                n = len(self._resync_callbacks)
+                self.run_log.event("resync_request", step + 1, getattr(event, "pool", None), None,
+                                   f"{getattr(event, 'alert', 'an alert')} asked for a resync at step {step}; "
+                                   f"{n} on_resync callback(s) called")
                 if self.exporter is not None:
                     self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter", step)
                 for fn in self._resync_callbacks:

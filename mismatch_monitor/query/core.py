@@ -28,7 +28,7 @@ from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, mer
 from ..metrics import METRIC_BY_KEY, derive
 from ..store import health
 from ..store.runinfo import read_run_info
-from ..store.schema import ERRORS_TABLE, STEPS_TABLE
+from ..store.schema import LOG_TABLES, STEPS_TABLE
 
 T = TypeVar("T")
 RunDir = str | Path
@@ -337,8 +337,11 @@ def copy_current(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, fi
     if table == STEPS_TABLE:
         sql = f"SELECT * FROM read_parquet($files, union_by_name=true) {CURRENT} ORDER BY step"
         return con.execute(sql, {"files": files}).df()
-    if table == ERRORS_TABLE:   # a log, not per-step state: every row of a committed file is kept
-        sql = "SELECT * FROM read_parquet($files, union_by_name=true) ORDER BY write_id, wall_time"
+    if table in LOG_TABLES:   # logs, not per-step state: every row of a committed flush, once (the
+        # latest file of each write_id: an earlier compaction's copy or the original, not both)
+        sql = ("SELECT * EXCLUDE (latest_file) FROM (SELECT t.*, max(t.file_id) OVER (PARTITION BY t.write_id) "
+               "AS latest_file FROM read_parquet($files, union_by_name=true) t) WHERE file_id = latest_file "
+               "ORDER BY write_id, wall_time")
         return con.execute(sql, {"files": files}).df()
     sql = (f"WITH {_index_cte()} SELECT t.* FROM read_parquet($files, union_by_name=true) t "
            "SEMI JOIN idx USING (step, file_id) ORDER BY t.step")

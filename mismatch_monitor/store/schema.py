@@ -18,6 +18,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..engine.fields import TABLES
+from .event_log import EVENTS_TABLE, OUTCOMES_TABLE
 
 SCHEMA_VERSION = 1
 SCHEMA_KEY = b"mismatch_monitor.schema_version"
@@ -37,7 +38,11 @@ STEP_INDEX_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "
                                       "n_sequences": "int64", "n_cells": "int64",
                                       "collector_errors": "int64"}
 # data tables, in write order; the steps index is written after all of them
-DATA_TABLES: tuple[str, ...] = STAT_TABLES + EXEMPLAR_TABLE_NAMES + (ALERTS_TABLE, ERRORS_TABLE)
+DATA_TABLES: tuple[str, ...] = STAT_TABLES + EXEMPLAR_TABLE_NAMES + (ALERTS_TABLE, ERRORS_TABLE, EVENTS_TABLE,
+                                                                  OUTCOMES_TABLE)
+# logs whose rows carry their own step (``event_log.py``): written with any flush, also one
+# without steps, read once its index exists, every committed row kept by compaction
+LOG_TABLES: tuple[str, ...] = (ERRORS_TABLE, EVENTS_TABLE, OUTCOMES_TABLE)
 ALL_TABLES: tuple[str, ...] = DATA_TABLES + (STEPS_TABLE,)
 
 STEP_COLUMNS = ("step", "write_id", "file_id")

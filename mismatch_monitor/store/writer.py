@@ -39,13 +39,14 @@ import pyarrow as pa
 from ..config import MetricConfig, parameter_differences
 from ..engine.stats import MismatchStats
 from .atomic import remove_quietly, write_json_atomic, write_parquet_atomic
+from .event_log import EVENTS_TABLE, OUTCOMES_TABLE, last_per_key, log_frame
 from .faults import Backoff, WriteFaults
 from .ids import IdSource
 from .pending import _APPEND, DeferredTables, FlushError, _Pending
 from .runinfo import RUN_FILE, read_run_info
 from .runlock import RunLock
-from .schema import (DATA_TABLES, ERROR_COLUMNS, ERRORS_TABLE, SCHEMA_VERSION, STEP_INDEX_COLUMNS, STEPS_TABLE,
-                     check_labels, file_name, stamp, to_arrow)
+from .schema import (DATA_TABLES, ERROR_COLUMNS, ERRORS_TABLE, LOG_TABLES, SCHEMA_VERSION, STEP_INDEX_COLUMNS,
+                     STEPS_TABLE, check_labels, file_name, stamp, to_arrow)
 from .signals import DeferringLock, FlushTimer, SignalFlush
 
 
@@ -219,6 +220,26 @@ class RunWriter:
             with self._lock:
                 self._pending.buffer[ERRORS_TABLE].append((None, None, df))
 
+    def append_events(self, rows: list[Mapping[str, Any]]) -> None:
+        """Buffer weight sync / resume / resync events (``event_log.EVENT_COLUMNS``), written with
+        the next flush like collector errors."""
+        self._append_log(EVENTS_TABLE, rows)
+
+    def append_outcomes(self, rows: list[Mapping[str, Any]]) -> None:
+        """Buffer training outcomes (``event_log.OUTCOME_COLUMNS``), written with the next flush."""
+        self._append_log(OUTCOMES_TABLE, rows)
+
+    def _append_log(self, table: str, rows: list[Mapping[str, Any]]) -> None:
+        if rows:
+            df = log_frame(table, rows)
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError(f"run writer for {self.run_dir} is closed")
+                self._pending.buffer[table].append((None, None, df))
+
+    def _has_log_rows(self) -> bool:
+        return any(self._pending.buffer[t] for t in LOG_TABLES)
+
     def _due(self) -> bool:
         if not self._faults.may_retry():          # a failing disk is retried after a backoff
             return False
@@ -232,7 +253,7 @@ class RunWriter:
                 return
             if self._inflight is not None and self._inflight[0].done():
                 self._collect()
-            if (self._pending.steps or self._pending.buffer[ERRORS_TABLE]) and self._due():
+            if (self._pending.steps or self._has_log_rows()) and self._due():
                 self._flush_due()
 
     def _bound(self) -> None:
@@ -355,7 +376,7 @@ class RunWriter:
         pending.errors.clear()
 
     def _take(self) -> _Pending | None:
-        if not self._pending.steps and not self._pending.buffer[ERRORS_TABLE]:
+        if not self._pending.steps and not self._has_log_rows():
             return None
         pending, self._pending = self._pending, _Pending()
         return pending
@@ -404,7 +425,7 @@ class RunWriter:
             if not parts:
                 continue
             df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-            self._write(table, df, write_id)
+            self._write(table, last_per_key(table, df), write_id)
         index = pd.DataFrame(steps) if steps else pd.DataFrame(
             {c: pd.Series([], dtype=t) for c, t in STEP_INDEX_COLUMNS.items()})   # errors only
         self._write(STEPS_TABLE, index, write_id)   # last: makes the steps visible

@@ -1,0 +1,48 @@
+"""Readers of the run's event and outcome logs (``store/event_log.py``).
+
+Rows of committed flushes only (an index file names the flush's file id); a compaction's copy
+and its originals are read once (per ``write_id``, the latest file). Outcomes: one value per
+(step, pool, name), the one logged last (highest ``write_id``). A run written before these
+tables existed gives an empty frame with the columns.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import pandas as pd
+
+from ..store.event_log import EVENT_COLUMNS, EVENTS_TABLE, OUTCOME_COLUMNS, OUTCOMES_TABLE, empty_frame
+from ..store.schema import file_id_of
+from .core import RunDir, _retry, current_files
+
+# the rows of committed flushes, each write once: the latest file of its write_id
+_COMMITTED = ("SELECT t.*, max(t.file_id) OVER (PARTITION BY t.write_id) AS latest_file "
+              "FROM read_parquet($files, union_by_name=true) t WHERE list_contains($ids, t.file_id)")
+_EVENTS_SQL = ("SELECT step, wall_time, kind, pool, version, message "
+               f"FROM ({_COMMITTED}) WHERE file_id = latest_file ORDER BY step, wall_time, write_id")
+_OUTCOMES_SQL = ("SELECT step, wall_time, pool, name, value "
+                 f"FROM ({_COMMITTED}) WHERE file_id = latest_file "
+                 "QUALIFY row_number() OVER (PARTITION BY step, pool, name ORDER BY write_id DESC) = 1 "
+                 "ORDER BY step, name, pool NULLS FIRST")
+
+
+def _read(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, sql: str,
+          columns: dict[str, str]) -> pd.DataFrame:
+    listed = current_files(run_dir, table)
+    ids = [i for i in (file_id_of(f) for f in listed["steps"]) if i is not None]
+    if not listed["files"] or not ids:
+        return empty_frame(table)
+    df = _retry(lambda: con.execute(sql, {"files": listed["files"], "ids": ids}).df())
+    return df.astype(columns).reset_index(drop=True) if len(df) else empty_frame(table)
+
+
+def run_events(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame:
+    """Every weight sync, resume, resync and resync request of the run, by step: step,
+    wall_time, kind, pool (null: every pool), version (null: unknown), message."""
+    return _read(con, run_dir, EVENTS_TABLE, _EVENTS_SQL, EVENT_COLUMNS)
+
+
+def run_outcomes(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame:
+    """The run's training outcomes, by step: step, wall_time, pool (null: the whole batch),
+    name, value; one row per (step, pool, name), the value logged last."""
+    return _read(con, run_dir, OUTCOMES_TABLE, _OUTCOMES_SQL, OUTCOME_COLUMNS)
