@@ -13,9 +13,11 @@ read back from real Parquet by DuckDB (``query/events.py``).
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 import shutil
+from contextlib import redirect_stdout
 
 import numpy as np
 import pandas as pd
@@ -25,6 +27,7 @@ import torch
 from mismatch_monitor import query
 from mismatch_monitor.alerts import AlertEvaluator
 from mismatch_monitor.batch import TokenBatch
+from mismatch_monitor.cli import main
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.query.events import run_events, run_outcomes
 from mismatch_monitor.store import RunWriter, compact_run
@@ -258,3 +261,33 @@ def test_an_alert_asking_for_a_resync_is_recorded_before_the_callback_resyncs(tm
     request = events["message"].iloc[0]
     assert "MismatchLowESS asked for a resync at step 4" in request and "1 on_resync callback(s)" in request
     assert (events["wall_time"].diff().dropna() >= 0).all()
+
+
+def _summary(run, *args: str) -> str:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(["summary", str(run), *args]) == 0
+    return out.getvalue()
+
+
+def test_summary_lists_events_and_the_last_value_of_each_outcome(tmp_path):
+    run = tmp_path / "run"
+    with MismatchCollector(run, alert_evaluator=None, clock=_clock()) as mc:
+        for step in range(4):
+            mc.log_event("weight_sync", version=step, message=f"sync {step}")
+            mc.log_step(step, make_batch(step))
+            mc.log_outcomes(step, {"reward": 0.125 * step, "loss": 3.0 - step})
+            mc.log_outcomes(step, {"reward": 0.5 + step}, pool="fp8")
+        mc.log_event("resync", pool="fp8", version=9, message="reloaded")
+    text = _summary(run, "--events", "2")
+    assert "weight events: 4 weight_sync, 1 resync (the latest 2):" in text
+    lines = text.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("weight events")))
+    assert lines[start + 3].split() == ["3", "weight_sync", "(every", "pool)", "3", "sync", "3"]
+    assert lines[start + 4].split() == ["4", "resync", "fp8", "9", "reloaded"]
+    start = lines.index("training outcomes, the last value of each:")
+    assert [line.split() for line in lines[start + 3:start + 6]] == [
+        ["loss", "(whole", "batch)", "3", "0"], ["reward", "(whole", "batch)", "3", "0.375"],
+        ["reward", "fp8", "3", "3.5"]]
+    plain = _summary(tmp_path / "run")                       # default: the latest 10, here all 5
+    assert "weight events: 4 weight_sync, 1 resync:" in plain and "sync 0" in plain

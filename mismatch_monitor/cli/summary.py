@@ -1,5 +1,6 @@
 """``mismatch-monitor summary RUN_DIR [--window N]``: the latest step (or the last N steps,
-merged from their summed statistics) per pool, and the worst slices."""
+merged from their summed statistics) per pool, and the worst slices; the run's weight syncs,
+resumes and resyncs, and the last value of each training outcome."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pandas as pd
 
 from .. import query
 from ..metrics import format_of
+from ..query.events import run_events, run_outcomes
+from ..store.event_log import EVENT_KINDS
 from ..store import read_run_info, run_status
 
 # (metric key, column title, format): each value in its declaration's format (metrics.format_of)
@@ -51,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cover the last N steps up to the latest observed one, merged exactly "
                              "from their sums (a p99 of all their tokens, not a mean of per-step "
                              "values); default 1, the latest step alone")
+    parser.add_argument("--events", type=int, default=10, metavar="N",
+                        help="how many of the latest weight syncs, resumes and resyncs to list (all are counted)")
 
 
 def _window(con: object, run_dir: str, by: list[str], first: int, last: int) -> pd.DataFrame:
@@ -58,9 +63,34 @@ def _window(con: object, run_dir: str, by: list[str], first: int, last: int) -> 
     return query.metric_series(con, run_dir, by, steps=(first, last), per_step=False)
 
 
+def _print_events(events: pd.DataFrame, latest: int) -> None:
+    if not len(events):
+        return
+    counts = events["kind"].value_counts()
+    print("weight events: " + ", ".join(f"{int(counts[k])} {k}" for k in EVENT_KINDS if k in counts)
+          + (f" (the latest {latest}):" if len(events) > latest else ":"))
+    rows = [[str(e["step"]), e["kind"], "(every pool)" if pd.isna(e["pool"]) else e["pool"],
+             "-" if pd.isna(e["version"]) else str(e["version"]), e["message"]]
+            for _, e in events.tail(latest).iterrows()]
+    print(format_table(["step", "event", "pool", "version", "message"], rows))
+
+
+def _print_outcomes(outcomes: pd.DataFrame) -> None:
+    if not len(outcomes):
+        return
+    last = outcomes.groupby(["name", "pool"], dropna=False, sort=False).tail(1)   # sorted by step
+    last = last.sort_values(["name", "pool"], na_position="first", kind="stable")
+    print("\ntraining outcomes, the last value of each:")
+    rows = [[o["name"], "(whole batch)" if pd.isna(o["pool"]) else o["pool"], str(o["step"]),
+             f"{o['value']:.6g}"] for _, o in last.iterrows()]
+    print(format_table(["outcome", "pool", "step", "value"], rows))
+
+
 def run(args: argparse.Namespace) -> int:
     if args.window < 1:
         raise ValueError(f"expected --window >= 1 (steps), got {args.window}")
+    if args.events < 0:
+        raise ValueError(f"expected --events >= 0, got {args.events}")
     info = read_run_info(args.run_dir)
     con = query.connect()
     idx = query.steps_index(con, args.run_dir)
@@ -75,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         for _, e in errors.iterrows():
             at = "no step" if pd.isna(e["last_step"]) else f"last at step {int(e['last_step'])}"
             print(f"  {int(e['count'])}x ({at}) {e['where']}: {e['kind']}: {e['message']}")
+    _print_events(run_events(con, args.run_dir), args.events)
+    _print_outcomes(run_outcomes(con, args.run_dir))
     if observed.empty:
         print("no observations yet: every metric is null")
         return 0
