@@ -14,7 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from mismatch_monitor.metrics import METRIC_BY_KEY, format_of, unit_of
+from mismatch_monitor.formulas import Value
+from mismatch_monitor.metrics import METRIC_BY_KEY, METRICS, format_of, unit_of
 
 NO_VALUE = "—"
 FALLBACK_FORMAT = ".4g"
@@ -24,7 +25,10 @@ COLUMN_NAMES = {"mean_abs_lr": "mean |lr|", "k3_kl": "k3 KL", "n_tokens": "token
                 "extreme share / sample share", "sample_share": "share of samples", "token_share":
                 "share of tokens", "extreme_share": "share of extreme-ratio tokens", "last_step": "last step",
                 "first_fired": "first fired (step)", "since": "since step", "run_id": "run id",
-                "last_update": "last update", "crossing_length": "crossing length T*"}
+                "last_update": "last update", "crossing_length": "crossing length T*",
+                "n_extreme": "extreme-ratio tokens"}
+# a stored field shown as such (a total) is named by the metric that declares it: n_sequences -> "sequences"
+FIELD_METRIC = {m.formula.field: m.key for m in METRICS if isinstance(m.formula, Value)}
 
 
 def is_null(value: Any) -> bool:
@@ -66,9 +70,15 @@ def tick_format(key: str) -> str:
 
 
 def column_name(name: str) -> str:
+    """A column's title: a metric's or a stored field's declared label, else the query layer's
+    column named in words."""
     if name in METRIC_BY_KEY:
         return metric_label(name)
-    return COLUMN_NAMES.get(name, quantile_name(name.replace("_", " ")))
+    if name in COLUMN_NAMES:
+        return COLUMN_NAMES[name]
+    if name in FIELD_METRIC:
+        return metric_label(FIELD_METRIC[name])
+    return quantile_name(name.replace("_", " "))
 
 
 def readable(frame: pd.DataFrame) -> pd.DataFrame:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime, timezone
-from typing import Any, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -15,8 +17,9 @@ import streamlit as st
 
 from mismatch_monitor.metrics import METRIC_BY_KEY
 
-from . import data, formatting, timeline
+from . import data, formatting, timeline, zoom
 from .axes import SCALES, YScale
+from .figures import XAxis
 from .loaders import ESS, Span
 from .state import View
 
@@ -34,6 +37,21 @@ def metric_label(key: str) -> str:
 
 
 readable = formatting.readable
+column_name = formatting.column_name
+
+
+def share_columns(columns: Any) -> dict[str, Any]:
+    """Column formats of a table renamed by :func:`column_name`: shares in percent, counts as
+    whole numbers, ratios to two decimals (the numbers stay numbers: the table sorts them)."""
+    out: dict[str, Any] = {}
+    for col in columns:
+        if col.endswith("_share"):
+            out[column_name(col)] = st.column_config.NumberColumn(format="percent")
+        elif col.startswith("n_"):
+            out[column_name(col)] = st.column_config.NumberColumn(format="%d")
+        elif col == "tail_to_sample":
+            out[column_name(col)] = st.column_config.NumberColumn(format="%.2f×")
+    return out
 
 
 def trend(frame: pd.DataFrame, metric: str) -> float:
@@ -129,20 +147,37 @@ def empty(message: str) -> None:
     st.info(message, icon=":material/info:")
 
 
-Marks = tuple[pd.DataFrame, Span, str]
+MARKS_CAPTION = "Vertical lines: alert fired (red), resolved (green, dotted), resync triggered (purple, dashed)."
 
 
-def marks(view: View, span: Span) -> Marks:
-    """What the annotation layer draws on a page's time-series charts: the run's alert events
-    and resync triggers in the steps shown, binned as the series are."""
-    return data.load("alerts", view.run_dir, **view.params)["events"], span, view.x
+@dataclass(frozen=True)
+class Marks:
+    """What the annotation layer draws on a chart: a run's alert events and resync triggers in
+    its steps shown, binned as its series are; ``opacity`` of the lines (a second run's: fainter)."""
+
+    events: pd.DataFrame
+    span: Span
+    x: XAxis
+    opacity: float = 0.6
 
 
-def chart(fig: go.Figure, key: str, events: Marks | None = None) -> None:
-    """Draw ``fig``; with ``events`` (:func:`marks`), the alert and resync lines over it."""
-    if events is not None:
-        ev, span, x = events
-        timeline.annotate(fig, ev, x=x, first=span.origin, width=span.width)  # type: ignore[arg-type]
+def marks(view: View, span: Span, run_dir: Path | None = None, opacity: float = 0.6) -> Marks:
+    """The annotation layer of a page's time-series charts: the run's (``run_dir``, default the
+    view's) alert events and resync triggers."""
+    events = data.load("alerts", run_dir or view.run_dir, **view.params)["events"]
+    return Marks(events, span, view.x, opacity)
+
+
+def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = None,
+          x: XAxis | None = None) -> None:
+    """Draw ``fig``; with ``events`` (:func:`marks`, one per run drawn), the alert and resync lines
+    over it. A time-series chart (``x`` given, or ``events``) keeps its zoom in the URL
+    (``zoom.keep``)."""
+    for m in [events] if isinstance(events, Marks) else (events or []):
+        timeline.annotate(fig, m.events, x=m.x, first=m.span.origin, width=m.span.width, opacity=m.opacity)
+        x = x or m.x
+    if x is not None:
+        zoom.keep(fig, key, x)
     # theme=None: the figure's own colour scales (Streamlit's theme would recolour heatmaps)
     st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False})
 

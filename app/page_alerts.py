@@ -12,7 +12,10 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
                       "was requested, drawn on the metric the alert watches."):
     events = data.load("alerts", view.run_dir, **view.params)["events"]
     names = sorted(events["alert"].dropna().unique().tolist()) if len(events) else []
-    chosen = st.selectbox("Alert", names, key="alerts_alert", bind="query-params") if names else None
+    lead = timeline.lead_alert(events)   # firing now, else resolved last: not the alphabetically first
+    chosen = st.selectbox("Alert", names, index=names.index(lead) if lead in names else 0, key="alerts_alert",
+                          bind="query-params", help="opens on the alert firing now, else the one resolved "
+                          "last") if names else None
     metric = loaders.alert_metrics(events).get(chosen) if chosen else None
 
     def body() -> None:
@@ -35,7 +38,7 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
         cols[2].metric("resync triggers", f"{len(resyncs):,}")
         cols[3].metric("alerts", f"{ev['alert'].nunique():,}")
         st.subheader("Timeline (marker colour: pool)")
-        layout.chart(timeline.events_strip(ev, x=view.x), key="alerts_strip")
+        layout.chart(timeline.events_strip(ev, x=view.x), key="alerts_strip", x=view.x)
         if metric is None:
             layout.empty(f"The alert {chosen!r} names no metric known to this version.")
         else:
@@ -45,7 +48,7 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
             scale = layout.scale_control("alerts_timeline")
             layout.chart(timeline.alert_timeline(d["series"], mine, metric, metric_label=layout.metric_label(metric),
                                                  x=view.x, smoothing=view.smoothing, first=span.origin,
-                                                 width=span.width, y_scale=scale), key="alerts_timeline")
+                                                 width=span.width, y_scale=scale), key="alerts_timeline", x=view.x)
             last = mine.iloc[-1]
             with st.expander(f"Runbook: {chosen}"):
                 st.markdown(str(last.get("runbook") or "—"))

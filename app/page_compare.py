@@ -47,9 +47,11 @@ if layout.page_header("Compare runs", view, "Run A (the sidebar's run) against r
             layout.chart(comparison.compare_bars(table, metric, keys, names=names,
                                                  metric_label=layout.metric_label(metric),
                                                  rel_threshold=threshold), key="cmp_bars")
+            st.caption(f"{layout.MARKS_CAPTION} Run A's lines full, run B's faint.")
             layout.chart(comparison.compare_lines(d.get("series_a"), d.get("series_b"), metric, names=names,
                                                   metric_label=layout.metric_label(metric), x=view.x),
-                         key="cmp_lines")
+                         key="cmp_lines", events=[layout.marks(view, d["span"]),
+                                                  layout.marks(view, d["span_b"], other_dir, opacity=0.25)])
             flagged = comparison.flag_differences(table, threshold)
             shown = table.assign(slice=comparison.slice_names(table, keys),
                                  metric=table["metric"].map(layout.metric_label),

@@ -29,8 +29,9 @@ if layout.page_header("Corrections", view, "The share of tokens or sequences eac
                      .rename(columns={layout.metric_label(k): titles[k] for k in loaders.CORRECTIONS}),
                      hide_index=True, width="stretch")
         st.subheader("Over steps")
+        st.caption(layout.MARKS_CAPTION)
         layout.chart(figures.small_multiples(d["series"], list(loaders.CORRECTIONS), titles, group="pool",
                                              x=view.x, smoothing=view.smoothing, width=span.width),
-                     key="corrections_series")
+                     key="corrections_series", events=layout.marks(view, span))
 
     layout.live(body, view)

@@ -42,7 +42,7 @@ if layout.page_header("Length and turn", view, "Per-token errors compound over l
             order = sorted(v for v in frame[column].dropna().unique())
             layout.chart(heatmaps.bucket_heatmap(frame, metric, column, labels=names, order=order, x=view.x,
                                                  width=span.width, value_title=title, y_title=what),
-                         key=f"lt_{table}")
+                         key=f"lt_{table}", x=view.x)
         st.subheader(f"T* = ln C / mean|log ρ| per pool (C = {d['cap']:g})")
         st.caption("The response length at which a product of per-token ratios of typical size "
                    "exp(mean|log ρ|) reaches the TIS cap: responses longer than T* are the first a "

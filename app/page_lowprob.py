@@ -29,7 +29,7 @@ if layout.page_header("Low-probability buckets", view, "Mean |log ρ| and k3 per
             st.subheader(f"{title} per sampler-probability bucket")
             layout.chart(heatmaps.bucket_heatmap(buckets, value, "bucket", labels=names, order=order, x=view.x,
                                                  width=span.width, value_title=title,
-                                                 y_title="sampler probability"), key=f"lowprob_{value}")
+                                                 y_title="sampler probability"), key=f"lowprob_{value}", x=view.x)
             layout.chart(figures.line_figure(buckets, value, group="bucket", labels=names, x=view.x,
                                              smoothing=view.smoothing, width=span.width, y_title=title),
                          key=f"lowprob_{value}_lines", events=layout.marks(view, span))

@@ -75,7 +75,7 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         shown = loaders.HEADLINE + (loaders.STALENESS,)
         titles = {k: layout.metric_label(k) for k in shown}
         st.subheader("Per pool over the run")
-        st.caption("Vertical lines: alert fired (red), resolved (green, dotted), resync triggered (purple, dashed).")
+        st.caption(layout.MARKS_CAPTION)
         scale = layout.scale_control("overview_history")
         layout.chart(figures.small_multiples(d["history"], shown, titles, group="pool", x=view.x,
                                              smoothing=view.smoothing, width=span.width, cols=3,

@@ -35,10 +35,8 @@ if layout.page_header("Pools", view, "Each sampler pool against the others: its 
                            f"({r['tail_to_sample']:.1f}× its share).", icon=":material/warning:")
             layout.chart(figures.share_bars(shares), key="pools_shares")
             table = shares.merge(meta, left_on="pool", right_index=True, how="left") if len(meta) else shares
-            st.dataframe(table.rename(columns={"tail_to_sample": "extreme share / sample share"}),
-                         hide_index=True, width="stretch",
-                         column_config={c: st.column_config.NumberColumn(format="percent")
-                                        for c in ("sample_share", "token_share", "extreme_share")})
+            st.dataframe(table.rename(columns=layout.column_name), hide_index=True, width="stretch",
+                         column_config=layout.share_columns(table.columns))
         st.subheader("Pool metadata (run.json)")
         if len(meta):
             st.dataframe(meta, width="stretch")

@@ -27,7 +27,7 @@ if layout.page_header("Routing", view, "A rounding-level router difference sends
         st.subheader(f"Flip rate per layer · {pool or 'all pools'}")
         layout.chart(heatmaps.bucket_heatmap(layers, "flip_rate", "layer", x=view.x, width=span.width,
                                              value_title="flip rate", y_title="layer", log_color=False),
-                     key="routing_layers")
+                     key="routing_layers", x=view.x)
         st.subheader("Per pool")
         titles = {loaders.FLIPS: "flip rate (token, layer)", loaders.ANY_FLIP: "tokens with ≥ 1 flipped layer"}
         scale = layout.scale_control("routing_pools")

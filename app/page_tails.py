@@ -28,7 +28,7 @@ if layout.page_header("Tails", view, "Tails move before the mean and before a co
             layout.empty("No token of this pool in the steps shown.")
         else:
             layout.chart(heatmaps.hist_heatmap(d["hist"], LogBins.from_config(d["config"]), x=view.x,
-                                               width=d["hist_width"]), key="tails_hist")
+                                               width=d["hist_width"]), key="tails_hist", x=view.x)
         bands = [(k, layout.metric_label(k)) for k in loaders.BANDS]
         st.subheader("Percentile bands per pool")
         scale = layout.scale_control("tails_bands")

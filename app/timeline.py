@@ -111,7 +111,7 @@ def events_strip(events: pd.DataFrame, *, x: XAxis = "step", height_per_alert: i
 
 
 def annotate(fig: go.Figure, events: pd.DataFrame, *, x: XAxis = "step", first: int = 0,
-             width: int = 1) -> go.Figure:
+             width: int = 1, opacity: float = 0.6) -> go.Figure:
     """The shared annotation layer of every time-series chart: a vertical line at each alert
     firing (red), resolution (green, dotted) and resync trigger (purple, dashed), across every
     subplot, at the step bin the event falls in. Lines are layout shapes: they never stretch
@@ -128,7 +128,7 @@ def annotate(fig: go.Figure, events: pd.DataFrame, *, x: XAxis = "step", first: 
         part = ev[rows]
         xs = part["bin"] if x == "step" else pd.to_datetime(part["wall_time"], unit="s", utc=True)
         for xv in xs.drop_duplicates():
-            shapes += [dict(type="line", xref=xref, yref="paper", x0=xv, x1=xv, y0=0, y1=1, opacity=0.6,
+            shapes += [dict(type="line", xref=xref, yref="paper", x0=xv, x1=xv, y0=0, y1=1, opacity=opacity,
                             line=dict(color=color, dash=dash, width=1), layer="below") for xref in xrefs]
     fig.update_layout(shapes=list(fig.layout.shapes) + shapes)   # at once: add_vline per subplot is slow
     return fig
@@ -164,3 +164,18 @@ def changes(events: pd.DataFrame, last_step: int, recent: int) -> pd.DataFrame:
         if c not in out.columns:
             out[c] = pd.NA
     return out[cols].reset_index(drop=True)
+
+
+def lead_alert(events: pd.DataFrame) -> str | None:
+    """The alert a reader wants first: the one firing now (in some pool) that fired last, else
+    the one resolved last, else None. An alert is firing when its latest event in a pool is a
+    firing."""
+    if not len(events):
+        return None
+    ev = events.dropna(subset=["alert"]).sort_values(["step", "wall_time"], kind="stable")
+    last = ev.groupby(["alert", "pool"], dropna=False).tail(1)
+    for state in ("firing", "resolved"):
+        part = last[last["state"] == state]
+        if len(part):
+            return str(part.iloc[-1]["alert"])
+    return str(ev.iloc[-1]["alert"]) if len(ev) else None

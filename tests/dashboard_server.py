@@ -68,3 +68,27 @@ def wait_drawn(page) -> None:  # noqa: ANN001 - a Playwright page
         raise
     page.wait_for_timeout(300)            # a rerun may start right after the first paint
     page.wait_for_function(READY, timeout=120_000)
+
+
+# the x range each x axis of a chart shows, and its traces' visibility (legend choices)
+VIEW_STATE = """el => ({x: Object.keys(el._fullLayout).filter(k => /^xaxis\\d*$/.test(k))
+    .map(k => el._fullLayout[k].range.map(String)),
+  visible: el._fullData.map(t => [t.name, t.visible])})"""
+
+
+def chart(page, key: str):  # noqa: ANN001, ANN201 - Playwright page and locator
+    return page.locator(f".st-key-{key} .js-plotly-plot").first
+
+
+def drag_zoom(page, key: str, start: float = 0.3, stop: float = 0.6) -> None:  # noqa: ANN001
+    """Zoom chart ``key`` as a user does: a mouse drag across its first subplot, from ``start``
+    to ``stop`` of its width (a horizontal drag: an x zoom)."""
+    area = chart(page, key).locator(".nsewdrag").first
+    area.scroll_into_view_if_needed()
+    box = area.bounding_box()
+    y = box["y"] + box["height"] * 0.5
+    page.mouse.move(box["x"] + box["width"] * start, y)
+    page.mouse.down()
+    for f in (0.25, 0.5, 0.75, 1.0):
+        page.mouse.move(box["x"] + box["width"] * (start + (stop - start) * f), y + 2, steps=3)
+    page.mouse.up()

@@ -18,7 +18,7 @@ import pytest
 from external_tools import find, needs
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
-from dashboard_server import ARTIFACTS, LAUNCH_ARGS, serve, wait_drawn  # noqa: E402
+from dashboard_server import ARTIFACTS, LAUNCH_ARGS, VIEW_STATE, chart, drag_zoom, serve, wait_drawn  # noqa: E402
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 RUNS = ("stable_fleet", "fault_midrun", "collapse_no_correction")
@@ -127,6 +127,33 @@ def test_a_copied_url_reopens_the_same_view_from_a_sub_page(server: str, browser
     assert other.locator("h1").first.inner_text().strip() == "Pools"
     assert other.get_by_text(re.compile(r"^Run collapse_no_correction · ")).count() == 1
     assert figure(other, "pools_series")["type"] == "linear"        # not the automatic log
+    clean(other, root)
+    other.context.close()
+
+
+def test_a_zoom_is_kept_in_a_copied_url_from_a_sub_page(server: str, browser, page, root: Path) -> None:  # noqa: ANN001
+    page.goto(f"{server}/?run=fault_midrun")
+    wait_drawn(page)
+    page.locator('[data-testid="stSidebarNav"] a[href$="/tails"]').first.click()
+    page.wait_for_url(re.compile(r"/tails"))
+    wait_drawn(page)
+    before = chart(page, "tails_drift").evaluate(VIEW_STATE)["x"][0]
+    drag_zoom(page, "tails_drift")
+    page.wait_for_url(re.compile(r"tails_drift_x=[\d.]+~[\d.]+"), timeout=30_000)
+    wait_drawn(page)
+    zoomed = chart(page, "tails_drift").evaluate(VIEW_STATE)["x"][0]
+    lo, hi = (float(v) for v in zoomed)
+    assert float(before[0]) < lo < hi < float(before[1])          # a zoom into the run's steps
+    copied = page.url
+    other = browser.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+    other.goto(copied)
+    wait_drawn(other)
+    assert other.locator("h1").first.inner_text().strip() == "Tails"
+    got = chart(other, "tails_drift").evaluate(VIEW_STATE)["x"][0]
+    assert [float(v) for v in got] == pytest.approx([lo, hi], rel=1e-9)
+    unzoomed = chart(other, "tails_bands").evaluate(VIEW_STATE)["x"][0]   # other charts: their own
+    assert [float(v) for v in unzoomed] != pytest.approx([lo, hi], rel=1e-9)
+    other.screenshot(path=str(ARTIFACTS / "zoom_copied_url.png"), full_page=True)
     clean(other, root)
     other.context.close()
 
