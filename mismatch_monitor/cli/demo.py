@@ -89,6 +89,7 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
              echo: bool = True) -> RunResult:
     """Run ``config`` for ``steps`` steps through a collector writing ``run_dir``."""
     from ..collectors import MismatchCollector
+    from ..collectors.simulation import SimulationRecorder
 
     t0 = time.perf_counter()
     sim = Simulation(config)
@@ -115,11 +116,12 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
 
     collector.on_resync(on_resync)
     collector.on_alert(on_alert)
+    recorder = SimulationRecorder(collector, sim)    # batches, syncs and resyncs, outcomes
     with collector:
         try:
             for out in sim.run(steps, progress=progress):
                 t = time.perf_counter()
-                collector.log_step(out.step, out.batch)
+                recorder.record(out)
                 result.seconds_collector += time.perf_counter() - t
                 result.rewards.append(out.reward_mean)
                 result.rewards_by_pool.append(out.reward_by_pool)

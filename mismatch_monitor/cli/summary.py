@@ -24,6 +24,7 @@ POOL_COLUMNS: tuple[tuple[str, str, str], ...] = tuple((key, title, "{:" + forma
     ("mismatch/extreme_fraction", "extreme"), ("mismatch/routing/flip_rate", "flips"),
 ))
 SLICE_KEYS = ("pool", "length_bucket", "turn_bucket")
+EVENTS_LISTED = 10   # the latest weight syncs, resumes and resyncs listed by default
 
 
 def _fmt(value: object, pattern: str) -> str:
@@ -54,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cover the last N steps up to the latest observed one, merged exactly "
                              "from their sums (a p99 of all their tokens, not a mean of per-step "
                              "values); default 1, the latest step alone")
-    parser.add_argument("--events", type=int, default=10, metavar="N",
+    parser.add_argument("--events", type=int, default=EVENTS_LISTED, metavar="N",
                         help="how many of the latest weight syncs, resumes and resyncs to list (all are counted)")
 
 
@@ -89,8 +90,9 @@ def _print_outcomes(outcomes: pd.DataFrame) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.window < 1:
         raise ValueError(f"expected --window >= 1 (steps), got {args.window}")
-    if args.events < 0:
-        raise ValueError(f"expected --events >= 0, got {args.events}")
+    latest_events = getattr(args, "events", EVENTS_LISTED)   # callers building their own Namespace
+    if latest_events < 0:
+        raise ValueError(f"expected --events >= 0, got {latest_events}")
     info = read_run_info(args.run_dir)
     con = query.connect()
     idx = query.steps_index(con, args.run_dir)
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         for _, e in errors.iterrows():
             at = "no step" if pd.isna(e["last_step"]) else f"last at step {int(e['last_step'])}"
             print(f"  {int(e['count'])}x ({at}) {e['where']}: {e['kind']}: {e['message']}")
-    _print_events(run_events(con, args.run_dir), args.events)
+    _print_events(run_events(con, args.run_dir), latest_events)
     _print_outcomes(run_outcomes(con, args.run_dir))
     if observed.empty:
         print("no observations yet: every metric is null")
