@@ -62,6 +62,10 @@ S = "n_sequences"
 
 METRICS: tuple[Metric, ...] = (
     _t("mismatch/n_tokens", "count", "tokens", "valid tokens observed", Value(N), counters=True),
+    _t("mismatch/exact_agreement", "share", "exact agreement",
+       "share of valid tokens whose two log-probs are equal (lr == 0 exactly, as the engine reads them): 1 "
+       "where sampler and trainer compute bitwise alike (batch-invariant kernels), below 1 at the first "
+       "numerical difference", Ratio("n_lr_zero", N), counters=True),
     _t("mismatch/k1_kl", "nats", "k1 KL", "mean(-lr): signed estimate of KL(mu||pi); sign and trend show drift",
        Ratio("sum_lr", N, scale=-1.0)),
     _t("mismatch/k2_kl", "nats", "k2 KL", "mean(lr^2) / 2", Ratio("sum_lr2", N, scale=0.5)),
@@ -101,6 +105,8 @@ METRICS: tuple[Metric, ...] = (
        thresholds=("extreme_band",), counters=True),
     _t("mismatch/routing/flip_rate", "share", "routing flip rate", "share of (token, layer) whose top-k expert set "
        "differs", Ratio("n_routing_flips", "n_routing_decisions"), counters=True),
+    _t("mismatch/routing/decisions", "count", "routing decisions", "(token, layer) decisions compared: the flip "
+       "rate's denominator, which the flip alert's count test reads", Value("n_routing_decisions")),
     _t("mismatch/routing/any_layer_flip_fraction", "share", "tokens with a flip",
        "share of tokens with at least one differing layer", Ratio("n_tokens_any_flip", "n_routed_tokens")),
     _t("mismatch/support_mismatch_fraction", "share", "support mismatch",

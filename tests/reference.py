@@ -135,11 +135,13 @@ def make_case(seed: int, *, num_sequences: int = 40, max_len: int = 300, dtype: 
               turns: bool = True, routing: tuple[int, int] | None = (4, 2), num_experts: int = 16,
               id_dtype: type = np.uint8, support: bool = True, kept: bool = True,
               staleness: bool = True, advantages: bool = True, extra_dim: bool = True,
-              empty_sequences: int = 1) -> Case:
+              empty_sequences: int = 1, equal_fraction: float = 0.0) -> Case:
     """Heavy-tailed mismatch: most |lr| ~ base_scale, a `tail_fraction` of tokens with |lr| in [1, 5].
 
     Sampler log-probs are spread so that every low-probability bucket is populated; lengths are
     log-uniform so that several length buckets occur; ``empty_sequences`` sequences have no token.
+    ``equal_fraction`` of the tokens get the sampler's log-prob on both sides (drawn last, so the
+    other draws do not change with it).
     """
     rng = np.random.default_rng(seed)
     B = num_sequences
@@ -186,6 +188,9 @@ def make_case(seed: int, *, num_sequences: int = 40, max_len: int = 300, dtype: 
     kept_arr = None
     if kept:
         kept_arr = np.where(rng.random(N) < 0.9, -rng.exponential(0.01, N), np.nan)
+    if equal_fraction:
+        same = rng.random(N) < equal_fraction
+        trainer[same] = sampler[same]
     return Case(
         trainer=trainer, sampler=sampler, seq=seq, num_sequences=B, labels=labels, turn=turn,
         policy_version=rng.integers(0, 8, B) if staleness else None,
@@ -329,6 +334,7 @@ def reference_tables(case: Case, config: MetricConfig) -> dict[str, pd.DataFrame
         n = len(lr)
         row = dict(base, n_tokens=n, n_nonfinite=int(g["nonfinite"].sum()),
                    n_positive_logprob=int(g["positive"].sum()),
+                   n_lr_zero=int((v["t"].to_numpy() == v["s"].to_numpy()).sum()),
                    sum_lr=lr.sum(), sum_lr2=(lr ** 2).sum(), sum_abs_lr=np.abs(lr).sum(),
                    sum_k3=k3_terms(lr).sum(), sum_exp_abs_lr=np.exp(np.abs(lr)).sum(),
                    sum_rho=rho.sum(), sum_rho2=np.exp(2 * lr).sum(), sum_rho_capped=rc.sum(),
@@ -454,8 +460,10 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
         wc = np.minimum(rho, C)
         wc = wc / wc.sum() if n else wc
         srt = np.sort(np.abs(lr))
+        valid = g[g["valid"]]
         row.update({
             "mismatch/n_tokens": float(n),
+            "mismatch/exact_agreement": mean(valid["t"].to_numpy() == valid["s"].to_numpy()),
             "mismatch/k1_kl": mean(-lr), "mismatch/k2_kl": mean(lr ** 2) / 2,
             "mismatch/k3_kl": mean(k3_terms(lr)), "mismatch/log_ratio/mean": mean(lr),
             "mismatch/log_ratio/std_error": float(np.std(lr, ddof=1) / math.sqrt(n)) if n > 1 else nan,
@@ -479,8 +487,10 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
             fl = g[[c for c in g.columns if c.startswith("flip_")]].to_numpy()
             row["mismatch/routing/flip_rate"] = float(fl.mean()) if fl.size else nan
             row["mismatch/routing/any_layer_flip_fraction"] = float(fl.any(1).mean()) if len(fl) else nan
+            row["mismatch/routing/decisions"] = float(fl.size)
         else:
             row["mismatch/routing/flip_rate"] = row["mismatch/routing/any_layer_flip_fraction"] = nan
+            row["mismatch/routing/decisions"] = 0.0
         row["mismatch/support_mismatch_fraction"] = mean(~g["support"].to_numpy()) \
             if case.support is not None else nan
         if case.kept is not None:

@@ -18,7 +18,7 @@ from mismatch_monitor.metrics import report, title_of
 from reference import make_case
 
 CONFIG = MetricConfig(chunk_tokens=1024)
-NEW = ("mismatch/rho/mean", "mismatch/seq/log_ratio/variance")
+NEW = ("mismatch/rho/mean", "mismatch/seq/log_ratio/variance", "mismatch/exact_agreement")
 
 
 @pytest.mark.parametrize("metric", METRICS + VIEW_METRICS, ids=lambda m: m.key)
@@ -68,7 +68,7 @@ def test_interpreter_against_plain_float64():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_new_metrics_obey_the_merge_law_by_length_bucket(seed):
     """Metrics of merged rank statistics equal the metrics of the whole batch, per length bucket."""
-    case = make_case(seed, num_sequences=30, max_len=90)
+    case = make_case(seed, num_sequences=30, max_len=90, equal_fraction=0.1)
     owner = np.random.default_rng(seed).integers(0, 3, case.num_sequences)
     parts = [compute_stats(case.select_sequences(np.nonzero(owner == r)[0]).batch(), CONFIG) for r in range(3)]
     whole = report(compute_stats(case.batch(), CONFIG), ["length_bucket"])
@@ -76,3 +76,4 @@ def test_new_metrics_obey_the_merge_law_by_length_bucket(seed):
     for key in NEW:
         np.testing.assert_allclose(merged[key], whole[key], rtol=1e-9, equal_nan=True)
     assert np.isfinite(whole["mismatch/seq/log_ratio/variance"]).any()
+    assert (whole["mismatch/exact_agreement"] > 0).all()

@@ -47,7 +47,7 @@ def assert_report_matches(case, config: MetricConfig, by: list[str], got=None) -
 
 @pytest.mark.parametrize("by", GROUPINGS, ids=lambda b: "+".join(b) or "all")
 def test_report_matches_reference_on_heavy_tails(by):
-    case = make_case(31, num_sequences=70, tail_fraction=0.02, bad_fraction=0.002)
+    case = make_case(31, num_sequences=70, tail_fraction=0.02, bad_fraction=0.002, equal_fraction=0.03)
     assert_report_matches(case, CONFIG, by)
 
 

@@ -32,7 +32,8 @@ def check_all_tables(case, config=CONFIG, layout="offsets", **kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 def test_every_table_matches_reference_in_every_dtype(dtype):
-    case = make_case(11, num_sequences=60, dtype=dtype, tail_fraction=5e-3, bad_fraction=0.003)
+    case = make_case(11, num_sequences=60, dtype=dtype, tail_fraction=5e-3, bad_fraction=0.003,
+                     equal_fraction=0.05)
     got = check_all_tables(case)
     # the case is rich enough to exercise every table and several cells of each
     for name in TABLES:
@@ -42,6 +43,7 @@ def test_every_table_matches_reference_in_every_dtype(dtype):
     assert tokens["turn_bucket"].nunique() >= 3
     assert (tokens["n_nonfinite"] > 0).any() and (tokens["n_positive_logprob"] > 0).any()
     assert (tokens["n_clip_high"] > 0).any() and (tokens["n_extreme"] > 0).any()
+    assert 0 < tokens["n_lr_zero"].sum() < tokens["n_tokens"].sum()
 
 
 def test_heavy_tail_dominates_but_does_not_break_sums():

@@ -43,6 +43,8 @@ def make_batch(seed: int, pools=POOLS, hardware=HARDWARE, tokens: int = 200, nan
     mu = -rng.uniform(3.0, 8.0, size=(B, tokens))
     lr = np.stack([rng.normal(0.0, NOISE[p], tokens) for p in pools])
     pi = mu + lr
+    same = rng.random((B, tokens)) < 0.1          # equal log-probs: lr == 0 exactly
+    pi[same] = mu[same]
     if nan_pool is not None:
         pi[[i for i, p in enumerate(pools) if p == nan_pool]] = np.nan
     batch = TokenBatch.from_padded(torch.from_numpy(pi), torch.from_numpy(mu), torch.ones(B, tokens),
@@ -75,6 +77,7 @@ def test_gauges_match_the_reference_per_pool_hardware_and_fleet():
         order_stat = np.sort(np.abs(x))[math.ceil(0.99 * x.size) - 1]          # nearest rank
         assert value(reg, "mismatch_abs_log_ratio_p99", **labels) == pytest.approx(order_stat, rel=alpha)
         assert value(reg, "mismatch_rho_mean_ratio", **labels) == pytest.approx(rho.mean(), rel=1e-12)
+        assert value(reg, "mismatch_exact_agreement_ratio", **labels) == np.mean(x == 0) > 0
         seq_sums = lr[rows].sum(1)                     # one sequence per row
         if len(seq_sums) > 1:                          # one sequence has no variance
             assert value(reg, "mismatch_seq_log_ratio_variance", **labels) == pytest.approx(
@@ -103,6 +106,7 @@ def test_counters_and_histogram_accumulate_exactly():
         assert value(reg, "mismatch_tokens_total", **labels) == x.size
         assert value(reg, "mismatch_extreme_tokens_total", **labels) == np.sum((np.exp(x) < 0.2) | (np.exp(x) > 5))
         assert value(reg, "mismatch_clipped_high_tokens_total", **labels) == np.sum(np.exp(x) > 2.0)
+        assert value(reg, "mismatch_lr_zero_tokens_total", **labels) == np.sum(x == 0) > 0
         assert value(reg, f"{HISTOGRAM}_count", **labels) == x.size
         assert value(reg, f"{HISTOGRAM}_sum", **labels) == pytest.approx(np.abs(x).sum(), rel=1e-12)
         for le in les:  # bucket bounds are bin edges: the counts are exact

@@ -19,7 +19,7 @@
 
 /* The layout of the structs native.py passes in; a library built from another version of this
  * file answers another number, and native.py refuses to call it (no call with a stale layout). */
-#define MM_ABI_VERSION 2
+#define MM_ABI_VERSION 3
 
 int64_t mm_abi_version(void) { return MM_ABI_VERSION; }
 
@@ -239,6 +239,7 @@ typedef struct {
     double *min_lr, *max_lr, *seq_sum_lr, *seq_sum_exp_abs, *seq_max_abs;
     int32_t *abs_hist;
     int64_t *n_nonfinite, *n_positive, *seq_invalid;
+    int64_t *n_lr_zero;       /* [cells] valid tokens with lr == 0 exactly */
 } Out;
 
 /* A rare token, straight into the caller's arrays (exactly: expm1 and exp beyond the series,
@@ -302,6 +303,7 @@ typedef struct {
     int32_t *hist;            /* [n_turn][NB + 1] */
     double *lr2, *e_abs, *min_lr, *max_lr;    /* [n_turn] each */
     int64_t *lo, *hi;
+    int64_t *n_zero;          /* [n_turn] tokens with lr == 0 */
     int64_t *used;            /* turn buckets with tokens, in first-use order */
     int64_t n_used;
 } Local;
@@ -311,6 +313,7 @@ static void reset_bucket(Local *L, int64_t tb, int64_t NB) {
     L->min_lr[tb] = INFINITY;
     L->max_lr[tb] = -INFINITY;
     L->lo[tb] = NB;
+    L->n_zero[tb] = 0;
     L->hi[tb] = -1;
 }
 
@@ -331,6 +334,7 @@ static void end_cell(const Out *out, const TokenParams *p, int64_t sc, Local *L)
         const int64_t first = cell * NL * R;
         out->joint_lr2[first] += L->lr2[tb];       /* read per cell only: on its first bin */
         out->joint_exp_abs[first] += L->e_abs[tb];
+        out->n_lr_zero[cell] += L->n_zero[tb];
         V4 *local = L->joint + tb * COPIES * nc;
         for (int64_t j = 0; j < nc; j++) {
             V4 sum = local[j];
@@ -360,7 +364,7 @@ static void end_sequence(const Out *out, int64_t seq, double sum_lr, double sum_
 /* Sums over a run of tokens [k, r) of one sequence and turn bucket, in four lanes. */
 typedef struct {
     double lr, lr2, e_abs, min_lr, max_lr;
-    int64_t lo, hi;
+    int64_t lo, hi, n_zero;
 } Run;
 
 typedef int64_t V4I __attribute__((vector_size(32)));
@@ -377,7 +381,8 @@ static inline __attribute__((always_inline)) Run run_sums(const Block *restrict 
                                                           int64_t NB) {
     V4 s_lr = {0}, s_lr2 = {0}, s_e = {0};
     V4 mn = {INFINITY, INFINITY, INFINITY, INFINITY}, mx = -mn;
-    V4I lo = {NB, NB, NB, NB}, hi = {-1, -1, -1, -1};
+    V4I lo = {NB, NB, NB, NB}, hi = {-1, -1, -1, -1}, nz = {0, 0, 0, 0};
+    const V4 zero = {0.0, 0.0, 0.0, 0.0};
     const V4I dump = lo;
     int64_t i = k;
     for (; i + 4 <= r; i += 4) {
@@ -390,13 +395,15 @@ static inline __attribute__((always_inline)) Run run_sums(const Block *restrict 
         s_lr += x;
         s_lr2 += x * x;
         s_e += e;
+        nz -= (V4I)(y == zero);                   /* -1 where lr == 0; NaN (rare) never is */
         mn = pick(y < mn, y, mn);                 /* NaN (a rare token) compares false */
         mx = pick(y > mx, y, mx);
         lo = pick_i(bin < lo, bin, lo);
         hi = pick_i((bin > hi) & (bin != dump), bin, hi);
     }
     Run out = {(s_lr[0] + s_lr[1]) + (s_lr[2] + s_lr[3]), (s_lr2[0] + s_lr2[1]) + (s_lr2[2] + s_lr2[3]),
-               (s_e[0] + s_e[1]) + (s_e[2] + s_e[3]), mn[0], mx[0], lo[0], hi[0]};
+               (s_e[0] + s_e[1]) + (s_e[2] + s_e[3]), mn[0], mx[0], lo[0], hi[0],
+               (nz[0] + nz[1]) + (nz[2] + nz[3])};
     for (int j = 1; j < 4; j++) {
         out.min_lr = mn[j] < out.min_lr ? mn[j] : out.min_lr;
         out.max_lr = mx[j] > out.max_lr ? mx[j] : out.max_lr;
@@ -409,6 +416,7 @@ static inline __attribute__((always_inline)) Run run_sums(const Block *restrict 
         out.lr += x;
         out.lr2 += x * x;
         out.e_abs += b->e_abs[i];
+        out.n_zero += y == 0.0;
         out.min_lr = y < out.min_lr ? y : out.min_lr;
         out.max_lr = y > out.max_lr ? y : out.max_lr;
         out.lo = bin < out.lo ? bin : out.lo;
@@ -475,6 +483,7 @@ static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n
             const double run_abs = -run.min_lr > run.max_lr ? -run.min_lr : run.max_lr;
             seq_max = run_abs > seq_max ? run_abs : seq_max;
             L->lr2[tb] += run.lr2;
+            L->n_zero[tb] += run.n_zero;
             L->e_abs[tb] += run.e_abs;
             L->min_lr[tb] = run.min_lr < L->min_lr[tb] ? run.min_lr : L->min_lr[tb];
             L->max_lr[tb] = run.max_lr > L->max_lr[tb] ? run.max_lr : L->max_lr[tb];
@@ -524,7 +533,7 @@ int64_t mm_token_pass(const TokenPass *a) {
     L.joint = aligned_alloc(64, (n_joint * sizeof(V4) + 63) / 64 * 64);
     L.hist = calloc((size_t)(T * (NB + 1)), sizeof(int32_t));
     double *sums = malloc((size_t)(4 * T) * sizeof(double));
-    int64_t *ints = calloc((size_t)(4 * T), sizeof(int64_t));
+    int64_t *ints = calloc((size_t)(5 * T), sizeof(int64_t));
     Block *blk = aligned_alloc(64, (sizeof(Block) + 63) / 64 * 64);
     int64_t valid = -2;
     if (L.joint && L.hist && sums && ints && blk) {
@@ -536,6 +545,7 @@ int64_t mm_token_pass(const TokenPass *a) {
         L.lo = ints;
         L.hi = ints + T;
         L.used = ints + 2 * T;        /* [T] the list, then [T] flags */
+        L.n_zero = ints + 4 * T;
         for (int64_t tb = 0; tb < T; tb++) reset_bucket(&L, tb, NB);
         valid = token_blocks(p, a->ranges, a->n_ranges, a->t, (int)a->t_dtype, a->s, (int)a->s_dtype, a->seq,
                              a->turn, a->seq_cell, a->turn_table, &a->out, &L, blk);

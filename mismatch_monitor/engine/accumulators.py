@@ -28,6 +28,7 @@ class TokenAccumulators:
     max_lr: torch.Tensor        # [C + 1] float64
     n_nonfinite: torch.Tensor   # [C + 1] int64
     n_positive: torch.Tensor    # [C + 1] int64
+    n_lr_zero: torch.Tensor     # [C + 1] int64 valid tokens with lr == 0 exactly (equal log-probs)
     n_support_known: torch.Tensor
     n_support_mismatch: torch.Tensor
     n_kept: torch.Tensor
@@ -47,7 +48,7 @@ class TokenAccumulators:
             abs_hist=z((C + 1) * NB, hist_dtype),
             min_lr=torch.full((C + 1,), math.inf, dtype=f64, device=device),
             max_lr=torch.full((C + 1,), -math.inf, dtype=f64, device=device),
-            n_nonfinite=z(C + 1), n_positive=z(C + 1), n_support_known=z(C + 1),
+            n_nonfinite=z(C + 1), n_positive=z(C + 1), n_lr_zero=z(C + 1), n_support_known=z(C + 1),
             n_support_mismatch=z(C + 1), n_kept=z(C + 1), sum_kept=z(C + 1, f64),
             seq_invalid=z(B + 1), seq_sum_lr=z(B + 1, f64), seq_sum_exp_abs=z(B + 1, f64),
             seq_max_abs=z(B + 1, f64),

@@ -31,6 +31,7 @@ TOKEN_FIELDS: tuple[Field, ...] = (
     _f("n_tokens", "sum", "int64", "valid tokens (finite log-probs, none above the tolerance)"),
     _f("n_nonfinite", "sum", "int64", "tokens set aside: a NaN or infinite log-prob on either side"),
     _f("n_positive_logprob", "sum", "int64", "tokens set aside: a log-prob above positive_logprob_tol"),
+    _f("n_lr_zero", "sum", "int64", "tokens with lr == 0 exactly: equal log-probs on both sides, as the engine reads them"),
     _f("sum_lr", "sum", "float64", "sum of lr (k1 = -sum_lr / n)"),
     _f("sum_lr2", "sum", "float64", "sum of lr^2 (k2 = sum_lr2 / 2n)"),
     _f("sum_abs_lr", "sum", "float64", "sum of |lr|"),

@@ -232,7 +232,8 @@ class TokenKernel:
         checked(_WHERE, "acc.joint_sums", acc.joint_sums, f64, (len(SUM_ROWS), J))
         sums = acc.sum_rows()
         shapes = {"joint_n": (i64, J), "abs_hist": ((torch.int32,), C1 * p.NB), "min_lr": (f64, C1),
-                  "max_lr": (f64, C1), "n_nonfinite": (i64, C1), "n_positive": (i64, C1), "seq_invalid": (i64, B1),
+                  "max_lr": (f64, C1), "n_nonfinite": (i64, C1), "n_positive": (i64, C1), "n_lr_zero": (i64, C1),
+                  "seq_invalid": (i64, B1),
                   "seq_sum_lr": (f64, B1), "seq_sum_exp_abs": (f64, B1), "seq_max_abs": (f64, B1)}
         shapes.update({f"joint_{name}": (f64, J) for name in SUM_ROWS})
         arrays = {name: getattr(acc, name) for name in OUT_ARRAYS if not name.startswith("joint_") or name == "joint_n"}

@@ -130,6 +130,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
         "n_tokens": n_tokens,
         "n_nonfinite": np_(acc.n_nonfinite[:C]),
         "n_positive_logprob": np_(acc.n_positive[:C]),
+        "n_lr_zero": np_(acc.n_lr_zero[:C]),
         "sum_lr": total["lr"], "sum_lr2": total["lr2"], "sum_abs_lr": joint.abs_lr().sum(1),
         "sum_k3": total["k3"], "sum_exp_abs_lr": total["exp_abs"], "sum_rho": rho.sum(1),
         "sum_rho2": total["rho2"],

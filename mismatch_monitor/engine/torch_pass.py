@@ -73,6 +73,7 @@ def pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: "Plan
         s = torch.where(valid, s, 0.0)
 
     add_support(acc, batch, p, start, stop, token_cell, cell)
+    _count(acc.n_lr_zero, cell, lr == 0.0, p.sync_free)      # invalid tokens: lr 0 in the dump cell
 
     abs_lr = lr.abs()
     joint = cell * (p.NL * p.R)
