@@ -9,6 +9,8 @@
 """
 
 from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools
+from .counts import CountRise, TailRise
+from .pooled import MeanRise, PooledDrift
 from .promql import prom_quantile
 from .definitions import DEFAULT_RULES
 from .evaluator import AlertEvaluator, AlertEvent, ResyncPolicy
@@ -16,4 +18,5 @@ from .render import render_rules
 from .rules import AlertRule
 
 __all__ = ["AlertEvaluator", "AlertEvent", "AlertRule", "DEFAULT_RULES", "ResyncPolicy", "render_rules",
-           "Compare", "GrowthOverBaseline", "MeanAwayFromZero", "OutlierAmongPools", "prom_quantile"]
+           "Compare", "GrowthOverBaseline", "MeanAwayFromZero", "OutlierAmongPools", "prom_quantile",
+           "CountRise", "TailRise", "MeanRise", "PooledDrift"]

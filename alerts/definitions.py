@@ -10,20 +10,29 @@ step duration the rules were rendered for (``--step-seconds``).
 
 from __future__ import annotations
 
-from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools
+from .conditions import Compare, OutlierAmongPools
+from .counts import CountRise, TailRise
+from .pooled import MeanRise, PooledDrift
 from .rules import AlertRule
+
+TOKENS = "mismatch/n_tokens"
+# One-sided z of the count and mean tests: 3.09 is a per-step false-alarm probability of 0.001
+# (standard normal); held for two steps, a clean pool fires far less than once per 1,000 steps
+# (tests/test_alert_false_alarms.py draws clean histories and counts).
+Z_COUNTS = 3.09
 
 TAIL_GROWTH = AlertRule(
     name="MismatchTailGrowth",
-    condition=GrowthOverBaseline("mismatch/abs_log_ratio/p99", factor=2.0, window_steps=50,
-                                 min_points=10, floor=0.01),
-    for_steps=2,
+    condition=TailRise("mismatch/abs_log_ratio/p99", "mismatch/abs_log_ratio/p999", TOKENS, factor=2.0,
+                       z=Z_COUNTS, window_steps=50, min_points=10),
+    for_steps=1,
     severity="warning",
     fix="cap_per_pool",
     summary="p99 |log ratio| of pool {pool} is {value}x its trailing median",
     description=("The 99th percentile of |log pi - log mu| in pool {pool} grew to {value} times its "
-                 "median over the previous {window} steps (threshold {threshold}x, and above {floor}) "
-                 "for {held} steps. Tails move before the mean and before a collapse."),
+                 "median over the {window} steps before the last two (threshold {threshold}x) for {held} steps, above "
+                 "the largest p99.9 of those steps, with more tokens above that edge than its 0.1% share "
+                 "explains (z > {z}). Tails move before the mean and before a collapse."),
     runbook=("Open the pool's length and low-probability slices. Growth confined to long responses: "
              "discard the pool's long rollouts or cap per pool (a tighter TIS cap or IcePop band for "
              "{pool}). Growth concentrated in tokens with sampler probability < 1e-2: move the LM head "
@@ -32,15 +41,14 @@ TAIL_GROWTH = AlertRule(
 
 KL_SPIKE = AlertRule(
     name="MismatchKLSpike",
-    condition=GrowthOverBaseline("mismatch/k3_kl", factor=3.0, window_steps=50, min_points=10,
-                                 floor=1e-4),
-    for_steps=2,   # one noisy step of a small pool is not a spike
+    condition=MeanRise("mismatch/k3_kl", TOKENS, factor=3.0, z=4.0, window_steps=50, min_points=20),
+    for_steps=1,   # one step is not a spike
     severity="warning",
     fix="fp32_head",
     summary="k3 KL(mu||pi) of pool {pool} spiked to {value}x its rolling median",
-    description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its median over the "
-                 "previous {window} steps (threshold {threshold}x, and above {floor}). Reported collapses "
-                 "start with such spikes."),
+    description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its token-weighted mean "
+                 "over the {window} steps before the last two (threshold {threshold}x) for {held} steps, {z} standard "
+                 "errors or more above it (the window's scatter). Reported collapses start with such spikes."),
     runbook=("Compare the k3 of the pool's low-probability buckets with the rest: a spike carried by "
              "rare tokens points at the LM head precision (FP32 head, or matched precision for "
              "quantized pools). A spike together with staleness or a low ESS is policy lag: resync. "
@@ -64,14 +72,14 @@ LOW_ESS = AlertRule(
 
 DRIFT = AlertRule(
     name="MismatchDrift",
-    condition=MeanAwayFromZero("mismatch/log_ratio/mean", "mismatch/log_ratio/std_error", z=4.0,
-                               floor=1e-3),
-    for_steps=20,
+    condition=PooledDrift("mismatch/log_ratio/mean", TOKENS, z=5.0, floor=1e-3, window_steps=20, min_points=20),
+    for_steps=0,   # the window already pools 20 steps
     severity="warning",
     fix="mask_replay",
     summary="Signed mean log ratio of pool {pool} is {value} standard errors from zero",
-    description=("The mean of log pi - log mu in pool {pool} has stayed more than {threshold} standard "
-                 "errors (and {floor}) away from zero for {held} steps: a systematic bias, not noise."),
+    description=("The mean of log pi - log mu over the tokens of pool {pool} in the last {window} steps is "
+                 "more than {threshold} standard errors (the steps' scatter) and {floor} away from zero: a "
+                 "systematic bias, not noise."),
     runbook=("A constant offset with a tiny spread is the fingerprint of a sampler that reports "
              "log-probs after top-p/top-k truncation (shifted by log S): compare with the pool's mean "
              "kept log-mass, then replay the keep-mask or renormalise. A bias that grows with "
@@ -80,15 +88,14 @@ DRIFT = AlertRule(
 
 EXTREME_SHARE_RISE = AlertRule(
     name="MismatchExtremeShareRise",
-    condition=GrowthOverBaseline("mismatch/extreme_fraction", factor=3.0, window_steps=50,
-                                 min_points=10, floor=1e-3),
-    for_steps=2,
+    condition=CountRise("mismatch/extreme_fraction", TOKENS, factor=3.0, z=Z_COUNTS, window_steps=50,
+                        min_points=10, min_rate=1e-4),
+    for_steps=1,
     severity="warning",
     fix="discard_long_rollouts",
     summary="Share of extreme-ratio tokens in pool {pool} rose {value}x",
-    description=("The share of tokens of pool {pool} whose ratio lies outside the extreme band is "
-                 "{value} times its median over the previous {window} steps (threshold {threshold}x, and "
-                 "above {floor}) for {held} steps."),
+    description=("Pool {pool} has {value} times the extreme-ratio tokens the rate pooled over the {window} steps "
+                 "before the last two expects (threshold {threshold}x, Poisson z > {z}) for {held} steps."),
     runbook=("Extreme ratios compound over long sequences: check the pool's length slices and discard "
              "its long rollouts first, or cap per pool. If one pool holds far more than its share of "
              "the fleet's extreme tokens, give it its own cap or take it out of the batch."),
@@ -96,15 +103,15 @@ EXTREME_SHARE_RISE = AlertRule(
 
 ROUTING_FLIP_RISE = AlertRule(
     name="MismatchRoutingFlipRise",
-    condition=GrowthOverBaseline("mismatch/routing/flip_rate", factor=1.5, window_steps=50,
-                                 min_points=10, floor=0.01),
-    for_steps=3,   # flips of a few hundred tokens are noisy: a rise must last
+    condition=CountRise("mismatch/routing/flip_rate", "mismatch/routing/decisions", factor=1.5, z=Z_COUNTS,
+                        window_steps=50, min_points=10, min_rate=1e-3),
+    for_steps=1,
     severity="warning",
     fix="routing_replay",
     summary="MoE routing flip rate of pool {pool} rose {value}x",
-    description=("The share of (token, layer) decisions whose top-k expert set differs between "
-                 "sampler and trainer in pool {pool} is {value} times its median over the previous "
-                 "{window} steps (threshold {threshold}x, and above {floor}) for {held} steps."),
+    description=("Pool {pool} has {value} times the (token, layer) decisions whose top-k expert set differs "
+                 "between sampler and trainer that the rate pooled over the {window} steps before the last two expects "
+                 "(threshold {threshold}x, Poisson z > {z}) for {held} steps."),
     runbook=("Flipped experts are discontinuous disagreements that no ratio cap repairs well: enable "
              "routing replay (ship the sampler's expert ids to the trainer) for {pool}. Check the "
              "per-layer flip table for the layers that moved."),
@@ -126,14 +133,16 @@ STALENESS_HIGH = AlertRule(
 
 POOL_OUTLIER = AlertRule(
     name="MismatchPoolOutlier",
-    condition=OutlierAmongPools("mismatch/k3_kl", factor=4.0, min_pools=3, floor=1e-4),
+    condition=OutlierAmongPools("mismatch/k3_kl", factor=4.0, min_pools=3, floor=1e-4, window_steps=50,
+                                min_points=10),
     for_steps=2,
     severity="warning",
     fix="cap_per_pool",
     summary="Pool {pool} has {value}x the fleet's median k3 KL",
-    description=("The k3 KL of pool {pool} is {value} times the median over all pools (threshold "
-                 "{threshold}x, and above {floor}) for {held} steps, with at least {min_pools} pools "
-                 "reporting."),
+    description=("The k3 KL of pool {pool} is {value} times the median over all pools, and {threshold} "
+                 "times (or more) what it was over its own previous {window} steps (above {floor}) for {held} "
+                 "steps, with at least {min_pools} pools reporting: a pool that is worse by design is compared "
+                 "with itself, not re-alerted every step."),
     runbook=("One pool's numerics differ from the fleet (precision, engine or hardware): cap per pool "
              "(its own TIS cap or band), discard its long rollouts, or match its precision flow "
              "(fake-quantize the trainer to its format). Compare its row with the fleet on the "

@@ -92,6 +92,9 @@ class AlertEvaluator:
         self._keys = {scope: sorted({k for r in rules if r.scope == scope for k in r.condition.metrics})
                       for scope in ("pool", "fleet")}
         self._active: dict[tuple[str, str | None], _Active] = {}
+        # pool-steps a rule could not decide ("not enough tokens"): per (rule, pool), and the last step's
+        self._undecided_counts: dict[tuple[str, str | None], int] = {}
+        self._undecided_now: list[tuple[str, str | None]] = []
         self._last_resync: dict[str | None, int] = {}
         self._last_step: int | None = None
 
@@ -112,9 +115,11 @@ class AlertEvaluator:
                      "fleet": _snapshot(fleet, self._keys["fleet"], pooled=False)}
         events: list[AlertEvent] = []
         requested: set[str | None] = set()
+        self._undecided_now = []
         for rule in self.rules:
             now = snapshots[rule.scope]
             values = rule.condition.evaluate(now, self._history, rule.scope, step)
+            self._count_undecided(rule, now, step)
             holding = {_pool(p, rule.scope): float(v) for p, v in zip(now.pools, values) if not np.isnan(v)}
             for pool, value in holding.items():
                 state = self._active.get((rule.name, pool))
@@ -130,8 +135,28 @@ class AlertEvaluator:
                 if state.firing:
                     events.append(self._event(rule, pool, "resolved", step, wall_time, state, False))
         for scope, now in snapshots.items():
-            self._history.push(scope, step, now)  # type: ignore[arg-type]
+            self._history.push(scope, step, _with_derived(now, self.rules, scope))  # type: ignore[arg-type]
         return events
+
+    def _count_undecided(self, rule: AlertRule, now: Snapshot, step: int) -> None:
+        undecided = getattr(rule.condition, "undecided", None)
+        if undecided is None or not now.pools:
+            return
+        for label, flag in zip(now.pools, undecided(now, self._history, rule.scope, step)):
+            if flag:
+                key = (rule.name, _pool(label, rule.scope))
+                self._undecided_now.append(key)
+                self._undecided_counts[key] = self._undecided_counts.get(key, 0) + 1
+
+    def undecided(self) -> list[tuple[str, str | None]]:
+        """(alert, pool) pairs the last step could not decide: "not enough tokens" (too small a
+        pool, or too short a baseline, for a rise by the rule's factor to be significant); they
+        never fire, and they are not a healthy verdict either."""
+        return list(self._undecided_now)
+
+    def undecided_counts(self) -> dict[tuple[str, str | None], int]:
+        """Per (alert, pool): how many observed steps were undecided, over the evaluator's life."""
+        return dict(self._undecided_counts)
 
     def _may_resync(self, pool: str | None, step: int, requested: set[str | None]) -> bool:
         last = self._last_resync.get(pool)
@@ -192,6 +217,16 @@ def iter_steps(history: pd.DataFrame, fleet_history: pd.DataFrame | None = None,
     empty = history.iloc[0:0]
     for step in sorted(steps):
         yield step, by_step.get(step, empty), fleet_by_step.get(step)
+
+
+def _with_derived(now: Snapshot, rules: tuple[AlertRule, ...], scope: Scope) -> Snapshot:
+    """The snapshot plus the per-step series the rules' baselines sum (their recording rules)."""
+    values = dict(now.values)
+    for rule in rules:
+        derive = getattr(rule.condition, "derived", None)
+        if rule.scope == scope and derive is not None and now.pools:
+            values.update(derive(now, scope))
+    return Snapshot(now.pools, values)
 
 
 def _pool(label: str, scope: Scope) -> str | None:

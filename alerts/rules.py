@@ -3,8 +3,8 @@
 Texts are written once, as Python format strings. Placeholders: ``{pool}`` (the pool, or "the
 fleet" for fleet rules) and ``{value}`` (the alert's current value, three significant digits)
 change per alert; ``{threshold}``, ``{held}`` (steps the condition must hold: ``for_steps + 1``),
-``{window}``, ``{floor}`` and ``{min_pools}`` (where the condition has them) come from the rule itself, so a
-number is written once. The in-process evaluator fills them directly; the renderer turns the
+``{window}``, ``{floor}``, ``{min_pools}``, ``{z}`` and ``{min_points}`` (where the condition has
+them) come from the rule itself, so a number is written once. The in-process evaluator fills them directly; the renderer turns the
 first two into Prometheus templates (``{{ $labels.pool }}``, ``{{ printf "%.3g" $value }}``), so
 an alert reads the same wherever it was evaluated.
 """
@@ -17,7 +17,12 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from .conditions import Condition, OutlierAmongPools, Scope
+from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools, Scope
+from .counts import CountRise, TailRise
+from .pooled import MeanRise, PooledDrift
+
+Condition = (Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools | CountRise | TailRise | MeanRise
+             | PooledDrift)
 
 Severity = Literal["info", "warning", "critical"]
 Fix = Literal["resync", "cap_per_pool", "discard_long_rollouts", "routing_replay", "fp32_head",
@@ -94,7 +99,8 @@ class AlertRule:
 
     def _static(self) -> dict[str, str]:
         out = {"threshold": format_g3(self.threshold), "held": str(self.for_steps + 1)}
-        for name, attr in (("window", "window_steps"), ("floor", "floor"), ("min_pools", "min_pools")):
+        for name, attr in (("window", "window_steps"), ("floor", "floor"), ("min_pools", "min_pools"),
+                           ("z", "z"), ("min_points", "min_points")):
             if hasattr(self.condition, attr):
                 out[name] = format_g3(float(getattr(self.condition, attr)))
         return out

@@ -34,9 +34,13 @@ HEALTHY: dict[str, dict[str, float]] = {
     "mismatch/routing/flip_rate": {"bf16": 0.08, "fp8": 0.1},
     "mismatch/staleness/max": {p: 1.0 for p in POOLS},
     "mismatch/data_quality/nonfinite_tokens": {p: 0.0 for p in POOLS},
+    # sizes: the count and mean tests weigh each step by them
+    "mismatch/n_tokens": {"bf16": 8000.0, "fp8": 4000.0, "int4": 2000.0, "tpu": 1000.0},
+    "mismatch/abs_log_ratio/p999": {"bf16": 0.04, "fp8": 0.1, "int4": 0.16, "tpu": 0.06},
+    "mismatch/routing/decisions": {"bf16": 32000.0, "fp8": 16000.0},
 }
 WOBBLES = {"mismatch/abs_log_ratio/p99", "mismatch/k3_kl", "mismatch/extreme_fraction",
-           "mismatch/routing/flip_rate", "mismatch/log_ratio/mean"}
+           "mismatch/routing/flip_rate", "mismatch/log_ratio/mean", "mismatch/abs_log_ratio/p999"}
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ INCIDENTS: tuple[Incident, ...] = (
     # a KL spike in one pool that is also an outlier among pools
     Incident("MismatchKLSpike", "tpu", "mismatch/k3_kl", 4e-3, range(45, 49)),
     Incident("MismatchLowESS", "fp8", "mismatch/ess", 0.35, range(55, 59)),
-    Incident("MismatchExtremeShareRise", "int4", "mismatch/extreme_fraction", 3e-3, range(62, 65)),
+    Incident("MismatchExtremeShareRise", "int4", "mismatch/extreme_fraction", 6e-3, range(62, 65)),
     Incident("MismatchStalenessHigh", "bf16", "mismatch/staleness/max", 6.0, range(70, 72)),
     Incident("MismatchNonFiniteLogprobs", "tpu", "mismatch/data_quality/nonfinite_tokens", 3.0, range(75, 76)),
 )
@@ -79,8 +83,9 @@ def scenario_history(step_seconds: float = 60.0) -> pd.DataFrame:
                 value = level * _wobble(step, i) if key in WOBBLES else level
                 row[key] = float(f"{value:.4g}")
             for inc in INCIDENTS:
-                if inc.pool == pool and step in inc.steps:
-                    row[inc.metric] = inc.value
+                if inc.pool == pool and step in inc.steps:   # incidents wobble too: no zero scatter
+                    wobble = _wobble(step, i) if inc.metric in WOBBLES else 1.0
+                    row[inc.metric] = float(f"{inc.value * wobble:.4g}")
             rows.append(row)
     return pd.DataFrame(rows)
 

@@ -1,0 +1,234 @@
+"""Rules that test counts: a step's events against the pooled rate of the trailing window.
+
+:class:`CountRise` (routing flips, extreme-band tokens): the step's count ``k`` of ``n`` trials
+against ``p0 = sum k / sum n`` over ``window_steps`` steps before the last ``GUARD_STEPS`` (never a median of
+per-step rates: a pool of 40 tokens and one of 40,000 weigh what their trials weigh).
+:class:`TailRise` (p99 |lr|): how many of the step's tokens its p99 puts above the edge that held
+at most 0.1% of the baseline's tokens, against Binomial(n, 0.001).
+
+Each fires only when the rise is both large (``factor``) and significant (Wilson-Hilferty z of
+the Poisson tail above ``z``, see :mod:`.significance`). A pool-step whose size could not make
+a rise by ``factor`` significant is *undecided* ("not enough tokens"): the evaluator counts it
+(:meth:`AlertEvaluator.undecided`), it never fires.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mismatch_monitor.metrics import prometheus_name
+
+from .conditions import Past, Snapshot, _check_metric, _positive
+from .promql import Expression, Recording, Scope, duration, number, prom_quantile
+from .promql import series as _series
+from .significance import poisson_z, poisson_z_promql, rounded, sequential_sum
+
+
+# The baseline window ends this many steps before the current one: a fault's first steps (while
+# the alert is pending) never enter the baseline it is tested against.
+GUARD_STEPS = 2
+
+
+def _window(window_steps: int, step_seconds: float) -> str:
+    return f"[{duration((window_steps - 0.5) * step_seconds)}] offset {duration((GUARD_STEPS + 1) * step_seconds)}"
+
+
+def _check_window(window_steps: int, min_points: int) -> None:
+    if not (isinstance(window_steps, int) and window_steps >= 1):
+        raise ValueError(f"expected integer window_steps >= 1, got {window_steps!r}")
+    if not (isinstance(min_points, int) and 1 <= min_points <= window_steps):
+        raise ValueError(f"expected integer 1 <= min_points <= window_steps, got {min_points!r}")
+
+
+@dataclass(frozen=True)
+class CountRise:
+    """``k = round(rate x total)`` events of ``n = total`` trials this step, against
+    ``lam = n * max(p0, min_rate)`` with ``p0`` pooled over ``window_steps`` steps before the last
+    ``GUARD_STEPS``:
+    fires where ``k / lam > factor`` and the Poisson z of ``k`` against ``lam`` is above ``z``;
+    the value is ``k / lam``. ``min_rate`` stands in for a baseline rate below it (a baseline
+    of zero events cannot make one event a rise)."""
+
+    rate: str            # metric key of the share (flip rate, extreme share)
+    total: str           # metric key of its denominator (routing decisions, tokens)
+    factor: float
+    z: float
+    window_steps: int
+    min_points: int
+    min_rate: float
+
+    def __post_init__(self) -> None:
+        _check_metric(self.rate)
+        _check_metric(self.total)
+        _positive("factor", self.factor)
+        _positive("z", self.z)
+        _positive("min_rate", self.min_rate)
+        _check_window(self.window_steps, self.min_points)
+
+    @property
+    def threshold(self) -> float:
+        return self.factor
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.rate, self.total)
+
+    def _names(self, scope: Scope) -> dict[str, str]:
+        base = f"{scope}:{prometheus_name(self.rate)}"
+        w = f"prior_{self.window_steps}_steps_guard_{GUARD_STEPS}"
+        return {"events": f"{base}:events", "trials": f"{base}:trials",
+                "events_prior": f"{base}:events_{w}", "trials_prior": f"{base}:trials_{w}",
+                "steps_prior": f"{base}:steps_{w}", "expected": f"{base}:expected_{w}"}
+
+    @property
+    def windows(self) -> dict[str, int]:
+        names = self._names("pool")
+        return {names["events"]: self.window_steps + GUARD_STEPS, names["trials"]: self.window_steps + GUARD_STEPS}
+
+    def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
+        """The per-step series the baseline sums (the recording rules ``...:events``/``...:trials``)."""
+        names = self._names("pool")
+        rate, total = now.get(self.rate), now.get(self.total)
+        with np.errstate(all="ignore"):
+            return {names["events"]: rounded(rate * total), names["trials"]: np.where(np.isnan(rate), np.nan, total)}
+
+    def explain(self) -> str:
+        return (f"events of `{self.rate}` x `{self.total}` > {self.factor:g} x the rate pooled over the "
+                f"{self.window_steps} steps before the last {GUARD_STEPS} (at least {self.min_points}; at least {self.min_rate:g}), Poisson z > "
+                f"{self.z:g}")
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        rate, total = _series(self.rate, scope), _series(self.total, scope)
+        n = self._names(scope)
+        window = _window(self.window_steps, step_seconds)
+        return Expression(
+            f"{n['events']} / {n['expected']} > {number(self.factor)} "
+            f"and {poisson_z_promql(n['events'], n['expected'])} > {number(self.z)} "
+            f"and {n['steps_prior']} >= {self.min_points}",
+            (Recording(n["events"], f"round({rate} * {total})"),
+             Recording(n["trials"], f"{total} and {rate}"),
+             Recording(n["events_prior"], f"sum_over_time({n['events']}{window})"),
+             Recording(n["trials_prior"], f"sum_over_time({n['trials']}{window})"),
+             Recording(n["steps_prior"], f"count_over_time({n['trials']}{window})"),
+             Recording(n["expected"], f"{n['trials']} * clamp_min({n['events_prior']} / {n['trials_prior']}, "
+                                      f"{number(self.min_rate)})")))
+
+    def _parts(self, now: Snapshot, past: Past, scope: Scope, step: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        names = self._names("pool")
+        current = self.derived(now, scope)
+        events, trials = current[names["events"]], current[names["trials"]]
+        prior_k = past.prior(names["events"], scope, now.pools, step - GUARD_STEPS, self.window_steps)
+        prior_n = past.prior(names["trials"], scope, now.pools, step - GUARD_STEPS, self.window_steps)
+        K = np.array([sequential_sum(p) for p in prior_k])
+        N = np.array([sequential_sum(p) for p in prior_n])
+        count = np.array([len(p) for p in prior_n])
+        with np.errstate(all="ignore"):
+            expected = trials * np.maximum(np.where(count > 0, K / N, np.nan), self.min_rate)
+        return events, expected, count
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        events, expected, count = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            ratio = events / expected
+            hit = (ratio > self.factor) & (poisson_z(events, expected) > self.z) & (count >= self.min_points)
+        return np.where(hit, ratio, np.nan)
+
+    def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        """Pools observed this step whose size could not make a rise by ``factor`` significant."""
+        events, expected, count = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            powerless = ~(poisson_z(self.factor * expected, expected) > self.z)
+        return ~np.isnan(events) & ((count < self.min_points) | powerless)
+
+
+@dataclass(frozen=True)
+class TailRise:
+    """p99 |lr| of the step above ``factor`` x the median p99 of ``window_steps`` steps before
+    the last ``GUARD_STEPS`` *and* above the largest p99.9 among them, where the tokens that p99 puts above that
+    edge are significantly more than its 0.1% (Poisson z above ``z``); the value is p99 / median.
+
+    Why this form: the edge ``x0 = max p99.9`` of the window holds at most 0.1% of the baseline's
+    pooled tokens (each step has at most 0.1% of its tokens above its own p99.9, nearest rank),
+    and a step whose p99 (the ``ceil(0.99 n)``-th smallest) exceeds ``x0`` has at least
+    ``m = n - ceil(0.99 n) + 1`` tokens above it, tested against Binomial(n, 0.001). The
+    per-step histograms are not among the values the evaluator receives, so the test reads the
+    quantiles they produce; p99 and p99.9 are histogram bins, and a p99 in a higher bin than
+    ``x0`` lies above it exactly. Pools under about 450 tokens can never pass (undecided)."""
+
+    p99: str
+    p999: str
+    total: str
+    factor: float
+    z: float
+    window_steps: int
+    min_points: int
+
+    def __post_init__(self) -> None:
+        for key in (self.p99, self.p999, self.total):
+            _check_metric(key)
+        _positive("factor", self.factor)
+        _positive("z", self.z)
+        _check_window(self.window_steps, self.min_points)
+
+    @property
+    def threshold(self) -> float:
+        return self.factor
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.p99, self.p999, self.total)
+
+    @property
+    def windows(self) -> dict[str, int]:
+        return {self.p99: self.window_steps + GUARD_STEPS, self.p999: self.window_steps + GUARD_STEPS}
+
+    def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
+        return {}
+
+    def explain(self) -> str:
+        return (f"`{self.p99}` > {self.factor:g} x its median over the {self.window_steps} steps before the "
+                f"last {GUARD_STEPS} (at least {self.min_points}) and > their largest `{self.p999}`, with the tokens above that edge "
+                f"significant against Binomial(n, 0.001) (Poisson z > {self.z:g})")
+
+    def _names(self, scope: Scope) -> tuple[str, str, str]:
+        w = f"prior_{self.window_steps}_steps_guard_{GUARD_STEPS}"
+        return (f"{scope}:{prometheus_name(self.p99)}:median_{w}", f"{scope}:{prometheus_name(self.p99)}:count_{w}",
+                f"{scope}:{prometheus_name(self.p999)}:max_{w}")
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        p99, p999, n = _series(self.p99, scope), _series(self.p999, scope), _series(self.total, scope)
+        median, count, edge = self._names(scope)
+        window = _window(self.window_steps, step_seconds)
+        above, expected = f"({n} - ceil(99 * {n} / 100) + 1)", f"({n} / 1000)"
+        return Expression(
+            f"{p99} / {median} > {number(self.factor)} and {p99} > {edge} "
+            f"and {poisson_z_promql(above, expected)} > {number(self.z)} and {count} >= {self.min_points}",
+            (Recording(median, f"quantile_over_time(0.5, {p99}{window})"),
+             Recording(count, f"count_over_time({p99}{window})"),
+             Recording(edge, f"max_over_time({p999}{window})")))
+
+    def _z(self, now: Snapshot) -> np.ndarray:
+        n = now.get(self.total)
+        with np.errstate(all="ignore"):
+            return poisson_z(n - np.ceil(99 * n / 100) + 1, n / 1000)
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x = now.get(self.p99)
+        prior = past.prior(self.p99, scope, now.pools, step - GUARD_STEPS, self.window_steps)
+        edges = past.prior(self.p999, scope, now.pools, step - GUARD_STEPS, self.window_steps)
+        median = np.array([prom_quantile(0.5, p) for p in prior])
+        edge = np.array([p.max() if len(p) else np.nan for p in edges])
+        count = np.array([len(p) for p in prior])
+        with np.errstate(all="ignore"):
+            ratio = x / median
+            hit = (ratio > self.factor) & (x > edge) & (self._z(now) > self.z) & (count >= self.min_points)
+        return np.where(hit, ratio, np.nan)
+
+    def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x = now.get(self.p99)
+        count = np.array([len(p) for p in past.prior(self.p99, scope, now.pools, step - GUARD_STEPS, self.window_steps)])
+        with np.errstate(all="ignore"):
+            return ~np.isnan(x) & ((count < self.min_points) | ~(self._z(now) > self.z))

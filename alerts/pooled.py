@@ -1,0 +1,231 @@
+"""Rules on per-token means, tested through token-weighted sums over a window.
+
+A step's mean ``x_i`` over ``n_i`` tokens is a sum ``n_i x_i`` divided by ``n_i``: pooled over
+steps, ``X = sum n_i x_i / sum n_i`` is the mean over all their tokens (never a mean of means).
+Its noise is estimated from the same window, by the token-weighted scatter of the steps around
+it: ``s^2 = sum n_i (x_i - X)^2 / (c - 1) = (sum n_i x_i^2 - X sum n_i x_i) / (c - 1)`` over ``c``
+steps, the per-token variance when tokens are independent and larger when steps differ (other
+prompts, a moving policy, correlated tokens within a sequence), so the test does not take
+correlated tokens for evidence. The approximation, stated: ``(x - X) / se`` is treated as
+standard normal although it has a t distribution with ``c - 1`` degrees of freedom and, for k3
+(a skewed, non-negative per-token quantity: rho - 1 - lr), a heavier right tail; the rules ask
+for at least 20 steps and a large factor besides. The per-token variance of k3 itself would need
+sum (rho - 1 - lr)^2, which is not stored.
+
+:class:`MeanRise` (k3 spike): the step's mean against the previous window's pooled mean.
+:class:`PooledDrift` (signed mean log ratio): the pooled mean of the last window, this step
+included, against zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mismatch_monitor.metrics import prometheus_name
+
+from .conditions import Past, Snapshot, _check_metric, _non_negative, _positive
+from .counts import GUARD_STEPS
+from .promql import Expression, Recording, Scope, duration, number
+from .promql import series as _series
+from .significance import sequential_sum
+
+
+def _check(window_steps: int, min_points: int) -> None:
+    if not (isinstance(window_steps, int) and window_steps >= 3):
+        raise ValueError(f"expected integer window_steps >= 3, got {window_steps!r}")
+    if not (isinstance(min_points, int) and 3 <= min_points <= window_steps):
+        raise ValueError(f"expected integer 3 <= min_points <= window_steps, got {min_points!r}")
+
+
+@dataclass(frozen=True)
+class _Weighted:
+    """Shared: the recorded per-step series ``n x``, ``n x^2`` and ``n`` of a mean metric."""
+
+    mean: str
+    total: str
+
+    def names(self, scope: Scope, window_steps: int, span: str = "prior") -> dict[str, str]:
+        """Recording names; ``span``: ``prior`` (the previous steps) or ``last`` (this one included)."""
+        base = f"{scope}:{prometheus_name(self.mean)}"
+        w = f"{span}_{window_steps}_steps" + (f"_guard_{GUARD_STEPS}" if span == "prior" else "")
+        return {"weighted": f"{base}:weighted", "weighted_sq": f"{base}:weighted_sq", "trials": f"{base}:trials",
+                "pooled": f"{base}:pooled_{w}", "scatter": f"{base}:scatter_{w}", "tokens": f"{base}:tokens_{w}",
+                "steps": f"{base}:steps_{w}"}
+
+    def derived(self, now: Snapshot) -> dict[str, np.ndarray]:
+        n = self.names("pool", 0)
+        x, total = now.get(self.mean), now.get(self.total)
+        with np.errstate(all="ignore"):
+            return {n["weighted"]: x * total, n["weighted_sq"]: x * total * x,
+                    n["trials"]: np.where(np.isnan(x), np.nan, total)}
+
+    def recordings(self, scope: Scope, window_steps: int, window: str, span: str) -> tuple[Recording, ...]:
+        x, total = _series(self.mean, scope), _series(self.total, scope)
+        n = self.names(scope, window_steps, span)
+        S, Q = f"sum_over_time({n['weighted']}{window})", f"sum_over_time({n['weighted_sq']}{window})"
+        return (Recording(n["weighted"], f"{x} * {total}"),
+                Recording(n["weighted_sq"], f"{x} * {total} * {x}"),
+                Recording(n["trials"], f"{total} and {x}"),
+                Recording(n["tokens"], f"sum_over_time({n['trials']}{window})"),
+                Recording(n["steps"], f"count_over_time({n['trials']}{window})"),
+                Recording(n["pooled"], f"{S} / {n['tokens']}"),
+                Recording(n["scatter"], f"clamp_min({Q} - {n['pooled']} * {S}, 0) / ({n['steps']} - 1)"))
+
+    def pooled(self, values: dict[str, list[np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per pool: pooled mean, token-weighted scatter, tokens and steps of the window."""
+        S = np.array([sequential_sum(p) for p in values["weighted"]])
+        Q = np.array([sequential_sum(p) for p in values["weighted_sq"]])
+        N = np.array([sequential_sum(p) for p in values["trials"]])
+        c = np.array([len(p) for p in values["trials"]], dtype=np.float64)
+        with np.errstate(all="ignore"):
+            X = S / N
+            return X, np.maximum(Q - X * S, 0.0) / (c - 1), N, c
+
+
+@dataclass(frozen=True)
+class MeanRise:
+    """``x / X > factor`` and ``(x - X) / sqrt(s^2 (1/n + 1/N)) > z`` with ``X``, ``s^2`` and ``N``
+    pooled over the previous ``window_steps`` steps (at least ``min_points``); value ``x / X``."""
+
+    mean: str
+    total: str
+    factor: float
+    z: float
+    window_steps: int
+    min_points: int
+
+    def __post_init__(self) -> None:
+        _check_metric(self.mean)
+        _check_metric(self.total)
+        _positive("factor", self.factor)
+        _positive("z", self.z)
+        _check(self.window_steps, self.min_points)
+
+    @property
+    def _w(self) -> _Weighted:
+        return _Weighted(self.mean, self.total)
+
+    @property
+    def threshold(self) -> float:
+        return self.factor
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.mean, self.total)
+
+    @property
+    def windows(self) -> dict[str, int]:
+        n = self._w.names("pool", self.window_steps)
+        return {n[k]: self.window_steps + GUARD_STEPS for k in ("weighted", "weighted_sq", "trials")}
+
+    def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
+        return self._w.derived(now)
+
+    def explain(self) -> str:
+        return (f"`{self.mean}` > {self.factor:g} x its token-weighted mean over {self.window_steps} steps before the "
+                f"last {GUARD_STEPS} (at least {self.min_points}), z > {self.z:g} against their token-weighted scatter")
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        x, total = _series(self.mean, scope), _series(self.total, scope)
+        n = self._w.names(scope, self.window_steps)
+        window = (f"[{duration((self.window_steps - 0.5) * step_seconds)}] "
+                  f"offset {duration((GUARD_STEPS + 1) * step_seconds)}")
+        se = f"sqrt({n['scatter']} * (1 / {total} + 1 / {n['tokens']}))"
+        return Expression(
+            f"{x} / {n['pooled']} > {number(self.factor)} and ({x} - {n['pooled']}) / {se} > {number(self.z)} "
+            f"and {n['steps']} >= {self.min_points}",
+            self._w.recordings(scope, self.window_steps, window, "prior"))
+
+    def _parts(self, now: Snapshot, past: Past, scope: Scope, step: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        names = self._w.names("pool", self.window_steps)
+        prior = {k: past.prior(names[k], scope, now.pools, step - GUARD_STEPS, self.window_steps)
+                 for k in ("weighted", "weighted_sq", "trials")}
+        X, s2, N, c = self._w.pooled(prior)
+        x, n = now.get(self.mean), now.get(self.total)
+        with np.errstate(all="ignore"):
+            se = np.sqrt(s2 * (1 / n + 1 / N))
+        return x, X, se, c
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x, X, se, c = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            ratio = x / X
+            hit = (ratio > self.factor) & ((x - X) / se > self.z) & (c >= self.min_points)
+        return np.where(hit, ratio, np.nan)
+
+    def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        """Observed pools where a rise by ``factor`` would not be significant at this size."""
+        x, X, se, c = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            powerless = ~((self.factor - 1) * X / se > self.z)
+        return ~np.isnan(x) & ((c < self.min_points) | powerless)
+
+
+@dataclass(frozen=True)
+class PooledDrift:
+    """``|X| / sqrt(s^2 / N) > z`` and ``|X| > floor`` with ``X``, ``s^2``, ``N`` pooled over the
+    last ``window_steps`` steps, this one included (at least ``min_points``); value: the z-score."""
+
+    mean: str
+    total: str
+    z: float
+    floor: float
+    window_steps: int
+    min_points: int
+
+    def __post_init__(self) -> None:
+        _check_metric(self.mean)
+        _check_metric(self.total)
+        _positive("z", self.z)
+        _non_negative("floor", self.floor)
+        _check(self.window_steps, self.min_points)
+
+    @property
+    def _w(self) -> _Weighted:
+        return _Weighted(self.mean, self.total)
+
+    @property
+    def threshold(self) -> float:
+        return self.z
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.mean, self.total)
+
+    @property
+    def windows(self) -> dict[str, int]:
+        n = self._w.names("pool", self.window_steps)
+        return {n[k]: self.window_steps for k in ("weighted", "weighted_sq", "trials")}
+
+    def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
+        return self._w.derived(now)
+
+    def explain(self) -> str:
+        return (f"\\|token-weighted `{self.mean}` over the last {self.window_steps} steps\\| > {self.z:g} standard "
+                f"errors (their scatter; at least {self.min_points} steps), and > {self.floor:g}")
+
+    def promql(self, scope: Scope, step_seconds: float) -> Expression:
+        n = self._w.names(scope, self.window_steps, "last")
+        window = f"[{duration((self.window_steps - 0.5) * step_seconds)}]"
+        mean = f"abs({n['pooled']})"
+        return Expression(
+            f"{mean} / sqrt({n['scatter']} / {n['tokens']}) > {number(self.z)} and {mean} > {number(self.floor)} "
+            f"and {n['steps']} >= {self.min_points} and {_series(self.mean, scope)}",
+            self._w.recordings(scope, self.window_steps, window, "last"))
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        names = self._w.names("pool", self.window_steps)
+        current = self._w.derived(now)
+        values = {}
+        for k in ("weighted", "weighted_sq", "trials"):
+            prior = past.prior(names[k], scope, now.pools, step, self.window_steps - 1)
+            values[k] = [np.append(p, v) if not np.isnan(v) else p for p, v in zip(prior, current[names[k]])]
+        X, s2, N, c = self._w.pooled(values)
+        with np.errstate(all="ignore"):
+            z = np.abs(X) / np.sqrt(s2 / N)
+            # observed this step: a pool that stopped reporting is not judged on its past alone
+            hit = (z > self.z) & (np.abs(X) > self.floor) & (c >= self.min_points) & ~np.isnan(now.get(self.mean))
+        return np.where(hit, z, np.nan)
