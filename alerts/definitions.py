@@ -166,3 +166,22 @@ DEFAULT_RULES: tuple[AlertRule, ...] = (
     TAIL_GROWTH, KL_SPIKE, LOW_ESS, DRIFT, EXTREME_SHARE_RISE, ROUTING_FLIP_RISE, STALENESS_HIGH,
     POOL_OUTLIER, NON_FINITE,
 )
+
+# Opt-in, for setups that claim bitwise agreement (batch-invariant kernels, the same engine on
+# both sides): any token whose two log-probs differ fires, from step 0, no history needed.
+#     AlertEvaluator(BITWISE_RULES); mismatch-monitor's rules file for it: render_rules(BITWISE_RULES)
+EXACT_AGREEMENT = AlertRule(
+    name="MismatchNotBitwise",
+    condition=Compare("mismatch/exact_agreement", "<", 1.0),
+    severity="critical",
+    fix="batch_invariant_kernels",
+    summary="Pool {pool} agrees bitwise on only {value} of its tokens",
+    description=("A share {value} of the tokens of pool {pool} have equal sampler and trainer log-probs "
+                 "(lr == 0 exactly), below {threshold}: the setup claims bitwise agreement and has lost it."),
+    runbook=("Bitwise agreement holds only with the same kernels, batch shapes and reduction order on both "
+             "sides: check that batch-invariant kernels are on in both engines, that the pool's engine and "
+             "precision are the trainer's, and that the weights were synced (a weight sync that failed shows "
+             "here from its first step)."),
+)
+
+BITWISE_RULES: tuple[AlertRule, ...] = DEFAULT_RULES + (EXACT_AGREEMENT,)
