@@ -45,6 +45,7 @@ from .adapters.common import sequence_mean, turn_index
 from .aliases import aliases_for
 from .step_hook import StepHook, StepSink
 from .trl_compat import check_generation, check_trl
+from .trl_outcomes import TrainingOutcomes, record_weight_sync
 
 SAMPLER_KEY = "mismatch_sampler_logps"       # [B, T] sampler log-probs, carried with the batch
 VERSION_KEY = "mismatch_policy_version"      # [B] global_step at which each sequence was generated
@@ -147,11 +148,14 @@ class MismatchCaptureMixin:
         mismatch_labels: labels for every sequence; defaults to the sampler TRL uses
             (``pool``/``engine``: ``vllm`` or ``transformers``) and ``precision`` from the args.
         mismatch_log_reports: add each step's report to TRL's logs (default True).
+        mismatch_log_outcomes: store TRL's loss, reward, grad_norm and entropy of each log line
+            in the run's ``outcomes`` and its weight pushes to vLLM in ``events``
+            (``trl_outcomes.py``; default True).
     """
 
     def __init__(self, *args: Any, mismatch_collector: StepSink,
                  mismatch_labels: Mapping[str, str] | None = None,
-                 mismatch_log_reports: bool = True, **kwargs: Any) -> None:
+                 mismatch_log_reports: bool = True, mismatch_log_outcomes: bool = True, **kwargs: Any) -> None:
         mro = type(self).__mro__                   # what the wrapped methods call: the class after us
         check_trl(trl.__version__, mro[mro.index(MismatchCaptureMixin) + 1])
         super().__init__(*args, **kwargs)
@@ -171,6 +175,9 @@ class MismatchCaptureMixin:
         self._mm_capture: list[torch.Tensor] | None = None
         self._mm_injected = False
         self.add_callback(_EndOfStep(self))
+        self._mm_outcomes = mismatch_log_outcomes
+        if mismatch_log_outcomes and hasattr(mismatch_collector, "log_outcomes"):
+            self.add_callback(TrainingOutcomes(mismatch_collector))
 
     # -------------------------------------------------------------- sampler side
     def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: dict,
@@ -189,7 +196,10 @@ class MismatchCaptureMixin:
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         self._mm_injected = False
+        loaded = getattr(self, "_last_loaded_step", None)
         output = super()._generate_and_score_completions(inputs)
+        if self.use_vllm and self._mm_outcomes:      # TRL pushed its weights to vLLM meanwhile?
+            record_weight_sync(self.mismatch_hook.collector, self, loaded, self.mismatch_labels.get("pool"))
         sampler = output.pop("sampling_per_token_logps") if self._mm_injected else output.get("sampling_per_token_logps")
         if sampler is not None:
             output[SAMPLER_KEY] = sampler

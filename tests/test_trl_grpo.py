@@ -22,8 +22,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
 from mismatch_monitor.collectors.collector import MismatchCollector
+from mismatch_monitor import query
 from mismatch_monitor.collectors.trl import (SAMPLER_KEY, VERSION_KEY, MismatchGRPOTrainer,
                                              TRLMismatchScalars, trl_batch_fields)
+from mismatch_monitor.collectors.trl_outcomes import trl_outcomes
+from mismatch_monitor.query.events import run_events, run_outcomes
 from mismatch_monitor.config import MetricConfig
 
 torch.set_num_threads(1)
@@ -142,6 +145,30 @@ def test_trl_scalars_are_forwarded_when_trl_logs_them(fp32_run):
     assert sink == [(7, {"trl/sampling/sampling_logp_difference/mean": 0.02,
                          "trl/sampling/sampling_logp_difference/max": 0.9,
                          "trl/eval_sampling/importance_sampling_ratio/mean": 1.01})]
+
+
+def test_trl_outcomes_are_stored_per_step_beside_the_statistics(fp32_run):
+    tmp, trainer, _ = fp32_run
+    con = query.connect()
+    outcomes = run_outcomes(con, tmp / "run")
+    stored = {(step, name): value for step, name, value in outcomes[["step", "name", "value"]].itertuples(index=False)}
+    logged = [h for h in trainer.state.log_history if "loss" in h]     # what TRL logged, one line per step
+    assert [h["step"] for h in logged] == [1, 2, 3, 4]
+    for h in logged:
+        for name in ("loss", "grad_norm", "reward", "entropy"):
+            assert stored[(h["step"], name)] == h[name], (h["step"], name)
+        assert stored[(h["step"], "reward/reward")] == h["rewards/reward/mean"]
+    assert len(stored) == 4 * 5 and outcomes["pool"].isna().all()
+    assert sorted({step for step, _ in stored}) == query.steps_index(con, tmp / "run")["step"].tolist()
+    assert len(run_events(con, tmp / "run")) == 0              # without vLLM nothing is pushed
+
+
+def test_trl_log_lines_as_outcomes():
+    logs = {"loss": 0.5, "grad_norm": 2.0, "reward": 1.25, "entropy": 0.75, "learning_rate": 1e-3,
+            "rewards/accuracy/mean": 0.5, "rewards/accuracy/std": 0.1, "eval_reward": 0.9,
+            "eval_rewards/format/mean": 1.0, "mismatch/k3_kl": 0.01, "epoch": 1}
+    assert trl_outcomes(logs) == {"loss": 0.5, "grad_norm": 2.0, "reward": 1.25, "entropy": 0.75,
+                                  "reward/accuracy": 0.5, "eval_reward": 0.9, "eval_reward/format": 1.0}
 
 
 def test_batch_fields_of_a_multi_turn_micro_batch():

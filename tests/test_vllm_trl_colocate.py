@@ -111,3 +111,20 @@ def test_every_step_is_logged_with_the_engines_logprobs(trained):
         assert tokens > 0
         assert 0.0 < max_lr < bound, (step, dtype, max_lr)   # engine rounding, not stale weights
         assert k3 < bound ** 2, (step, dtype, k3)
+
+
+def test_each_weight_push_and_outcome_is_in_the_run(trained):
+    from mismatch_monitor import query
+    from mismatch_monitor.query.events import run_events, run_outcomes
+
+    _, run_dir, trainer, _ = trained
+    con = query.connect()
+    events = run_events(con, run_dir)
+    # TRL pushes at the start of each step's generation (global_step g): sampled by step g + 1
+    assert events[["step", "kind", "pool", "version"]].values.tolist() == [
+        [g + 1, "weight_sync", "vllm", g] for g in range(STEPS)]
+    outcomes = run_outcomes(con, run_dir)
+    rewards = outcomes[outcomes["name"] == "reward"]
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    assert rewards[["step", "value"]].values.tolist() == [[h["step"], h["reward"]] for h in logged]
+    assert rewards["step"].tolist() == query.steps_index(con, run_dir)["step"].tolist()
