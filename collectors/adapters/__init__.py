@@ -11,6 +11,6 @@ from .nemo_rl import nemo_rl_batch
 from .openrlhf import openrlhf_batch
 from .prime_rl import prime_rl_batch
 from .slime import slime_batch
-from .verl import verl_batch
+from .verl import verl_batch, verl_outcomes
 
-__all__ = ["verl_batch", "openrlhf_batch", "nemo_rl_batch", "slime_batch", "prime_rl_batch"]
+__all__ = ["verl_batch", "verl_outcomes", "openrlhf_batch", "nemo_rl_batch", "slime_batch", "prime_rl_batch"]

@@ -20,6 +20,17 @@ as verl names and lays them out (B sequences, P prompt and R response positions)
 
 ``non_tensor_batch["data_source"]`` (one string per sequence) becomes the ``env`` label.
 
+The trainer's ``metrics`` dict of a step (what ``RayPPOTrainer.fit`` logs under ``global_steps``)
+gives the run's training outcomes through :func:`verl_outcomes`:
+
+    collector.log_step(step, verl_batch(batch))
+    collector.log_outcomes(step, verl_outcomes(metrics))
+
+``critic/score/mean`` (the sequence score before any KL penalty) is ``reward``; ``actor/pg_loss``,
+``actor/grad_norm`` and ``actor/entropy`` are ``loss``, ``grad_norm`` and ``entropy`` (verl's
+means over the step's micro-batches, as it logs them); each validation reward
+``val-core/<data_source>/reward/mean@<n>`` is ``eval_reward/<data_source>@<n>``.
+
 In bypass mode verl sets ``old_log_probs`` to the very tensor ``rollout_log_probs``; there is no
 trainer re-score to compare then, and the adapter says so instead of reporting zero mismatch:
 pass the log-probs of the actor's update forward as ``trainer_logprobs``.
@@ -27,7 +38,8 @@ pass the log-probs of the actor's update forward as ``trainer_logprobs``.
 
 from __future__ import annotations
 
-from typing import Any
+import numbers
+from typing import Any, Mapping
 
 import torch
 
@@ -44,6 +56,25 @@ from .common import (
 )
 
 FRAMEWORK = "verl"
+# verl's metric key -> outcome name (see the module docstring)
+OUTCOME_KEYS: dict[str, str] = {"critic/score/mean": "reward", "actor/pg_loss": "loss",
+                                "actor/grad_norm": "grad_norm", "actor/entropy": "entropy"}
+_VALIDATION = ("val-core/", "/reward/mean@")
+
+
+def verl_outcomes(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The training outcomes in one step's verl ``metrics`` dict, by outcome name (numbers only;
+    a non-finite one is kept, for ``log_outcomes`` to count as an error)."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            continue
+        if key in OUTCOME_KEYS:
+            out[OUTCOME_KEYS[key]] = float(value)
+        elif key.startswith(_VALIDATION[0]) and _VALIDATION[1] in key:
+            source, n = key[len(_VALIDATION[0]):].rsplit(_VALIDATION[1], 1)
+            out[f"eval_reward/{source}@{n}"] = float(value)
+    return out
 
 
 def verl_batch(
