@@ -101,6 +101,21 @@ why): `step` (null when the error has no valid step), `wall_time`, `where` (what
 (a flush that carries only errors writes an empty one); `mismatch-monitor summary` and the
 dashboard's Overview show them.
 
+## `events`, `outcomes`
+
+Logs of what happened to the weights and how training went, beside the statistics
+(`store/event_log.py`; `MismatchCollector.log_event` / `log_outcomes`, read by
+`query/events.py`). Like `errors`, their rows carry their own step and are read once their
+flush's index file exists; compaction copies each flush's rows once.
+
+- `events`: one row per `weight_sync`, `resume`, `resync` or `resync_request`: `step` (the first
+  step whose batches come after the event), `wall_time`, `kind`, `pool` (null: every pool),
+  `version` (the weight version, null when unknown), `message`. Every event is kept.
+- `outcomes`: one row per value: `step`, `wall_time`, `pool` (null: the whole batch), `name`
+  (`reward`, `loss`, `grad_norm`, `entropy`, `eval_reward` or any other), `value` (finite). A
+  value logged again for the same (step, pool, name) replaces the earlier one (the latest
+  `write_id`), as a re-logged step does.
+
 ## `steps`
 
 `step`, `wall_time` (seconds since the epoch), `n_tokens`, `n_sequences`, `n_cells`,
