@@ -236,12 +236,17 @@ class OutlierAmongPools:
         return (self.metric,)
 
     @property
+    def excludes_active(self) -> bool:
+        """Its own-ratio baseline takes steps only while the alert is inactive."""
+        return bool(self.window_steps)
+
+    @property
     def _ratio_name(self) -> str:
         return f"pool:{prometheus_name(self.metric)}:ratio_to_pool_median"
 
     @property
     def windows(self) -> dict[str, int]:
-        return {self._ratio_name: self.window_steps} if self.window_steps else {}
+        return {self._ratio_name + ":while_inactive": self.window_steps} if self.window_steps else {}
 
     def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
         """Each pool's ratio to the median over pools (recorded where enough pools report)."""
@@ -280,8 +285,8 @@ class OutlierAmongPools:
             f"and {series} > {number(self.floor)} and {own_count} >= {self.min_points}",
             recordings + (
                 Recording(ratio, f"{series} / on() group_left() {median} and on() {count} >= {self.min_pools}"),
-                Recording(own, f"quantile_over_time(0.5, {ratio}{window})"),
-                Recording(own_count, f"count_over_time({ratio}{window})")))
+                Recording(own, f"quantile_over_time(0.5, {ratio}:while_inactive{window})"),
+                Recording(own_count, f"count_over_time({ratio}:while_inactive{window})")))
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         x = now.get(self.metric)
@@ -289,7 +294,7 @@ class OutlierAmongPools:
         with np.errstate(all="ignore"):
             hit = (ratio > self.factor) & (x > self.floor)
             if self.window_steps:
-                prior = past.prior(self._ratio_name, scope, now.pools, step, self.window_steps)
+                prior = past.prior(self._ratio_name + ":while_inactive", scope, now.pools, step, self.window_steps)
                 own = np.array([prom_quantile(0.5, p) for p in prior], dtype=np.float64)
                 count = np.array([len(p) for p in prior])
                 hit &= (ratio / np.maximum(own, 1.0) > self.factor) & (count >= self.min_points)

@@ -23,12 +23,16 @@ from mismatch_monitor.metrics import prometheus_name
 from .conditions import Past, Snapshot, _check_metric, _positive
 from .promql import Expression, Recording, Scope, duration, number, prom_quantile
 from .promql import series as _series
-from .significance import poisson_z, poisson_z_promql, rounded, sequential_sum
+from .significance import (poisson_lower_z, poisson_lower_z_promql, poisson_z, poisson_z_promql, rounded,
+                           sequential_sum)
 
 
 # The baseline window ends this many steps before the current one: a fault's first steps (while
 # the alert is pending) never enter the baseline it is tested against.
 GUARD_STEPS = 2
+# A baseline reads a series' copy that records a step only while the rule's alert is inactive
+# (render.py adds it as ``<name> unless on(pool) ALERTS{...}``; the evaluator masks the same).
+INACTIVE = ":while_inactive"
 
 
 def _window(window_steps: int, step_seconds: float) -> str:
@@ -58,8 +62,11 @@ class CountRise:
     window_steps: int
     min_points: int
     min_rate: float
+    clear_steps: int = 10    # the clear test pools the counts of the last clear_steps steps
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.clear_steps, int) and self.clear_steps >= 1):
+            raise ValueError(f"expected integer clear_steps >= 1, got {self.clear_steps!r}")
         _check_metric(self.rate)
         _check_metric(self.total)
         _positive("factor", self.factor)
@@ -78,14 +85,18 @@ class CountRise:
     def _names(self, scope: Scope) -> dict[str, str]:
         base = f"{scope}:{prometheus_name(self.rate)}"
         w = f"prior_{self.window_steps}_steps_guard_{GUARD_STEPS}"
+        c = f"last_{self.clear_steps}_steps"
         return {"events": f"{base}:events", "trials": f"{base}:trials",
                 "events_prior": f"{base}:events_{w}", "trials_prior": f"{base}:trials_{w}",
-                "steps_prior": f"{base}:steps_{w}", "expected": f"{base}:expected_{w}"}
+                "steps_prior": f"{base}:steps_{w}", "expected": f"{base}:expected_{w}",
+                "events_last": f"{base}:events_{c}", "expected_last": f"{base}:expected_{c}_at_{w}"}
 
     @property
     def windows(self) -> dict[str, int]:
         names = self._names("pool")
-        return {names["events"]: self.window_steps + GUARD_STEPS, names["trials"]: self.window_steps + GUARD_STEPS}
+        w = self.window_steps + GUARD_STEPS
+        return {names["events"] + INACTIVE: w, names["trials"] + INACTIVE: w,
+                names["events"]: self.clear_steps, names["trials"]: self.clear_steps}
 
     def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
         """The per-step series the baseline sums (the recording rules ``...:events``/``...:trials``)."""
@@ -103,31 +114,47 @@ class CountRise:
         rate, total = _series(self.rate, scope), _series(self.total, scope)
         n = self._names(scope)
         window = _window(self.window_steps, step_seconds)
+        last = f"[{duration((self.clear_steps - 0.5) * step_seconds)}]"
+        raised = f"({number(self.factor)} * {n['expected_last']})"
         return Expression(
             f"{n['events']} / {n['expected']} > {number(self.factor)} "
             f"and {poisson_z_promql(n['events'], n['expected'])} > {number(self.z)} "
             f"and {n['steps_prior']} >= {self.min_points}",
-            (Recording(n["events"], f"round({rate} * {total})"),
-             Recording(n["trials"], f"{total} and {rate}"),
-             Recording(n["events_prior"], f"sum_over_time({n['events']}{window})"),
-             Recording(n["trials_prior"], f"sum_over_time({n['trials']}{window})"),
-             Recording(n["steps_prior"], f"count_over_time({n['trials']}{window})"),
-             Recording(n["expected"], f"{n['trials']} * clamp_min({n['events_prior']} / {n['trials_prior']}, "
-                                      f"{number(self.min_rate)})")))
+            statistic=f"{n['events']} / {n['expected']}",
+            clear=f"{poisson_lower_z_promql(n['events_last'], raised)} > {number(self.z)}",
+            recordings=(Recording(n["events"], f"round({rate} * {total})"),
+                        Recording(n["trials"], f"{total} and {rate}"),
+                        Recording(n["events_prior"], f"sum_over_time({n['events']}{INACTIVE}{window})"),
+                        Recording(n["trials_prior"], f"sum_over_time({n['trials']}{INACTIVE}{window})"),
+                        Recording(n["steps_prior"], f"count_over_time({n['trials']}{INACTIVE}{window})"),
+                        Recording(n["expected"], f"{n['trials']} * {self._rate_promql(n)}"),
+                        Recording(n["events_last"], f"sum_over_time({n['events']}{last})"),
+                        Recording(n["expected_last"], f"sum_over_time({n['trials']}{last}) * {self._rate_promql(n)}")))
+
+    def _rate_promql(self, n: dict[str, str]) -> str:
+        return f"clamp_min({n['events_prior']} / {n['trials_prior']}, {number(self.min_rate)})"
+
+    def _rate(self, past: Past, scope: Scope, pools: tuple[str, ...], step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The baseline rate max(p0, min_rate) per pool, and the number of baseline steps."""
+        names = self._names("pool")
+        prior_k = past.prior(names["events"] + INACTIVE, scope, pools, step - GUARD_STEPS, self.window_steps)
+        prior_n = past.prior(names["trials"] + INACTIVE, scope, pools, step - GUARD_STEPS, self.window_steps)
+        K = np.array([sequential_sum(p) for p in prior_k])
+        N = np.array([sequential_sum(p) for p in prior_n])
+        count = np.array([len(p) for p in prior_n])
+        with np.errstate(all="ignore"):
+            return np.maximum(np.where(count > 0, K / N, np.nan), self.min_rate), count
 
     def _parts(self, now: Snapshot, past: Past, scope: Scope, step: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         names = self._names("pool")
         current = self.derived(now, scope)
-        events, trials = current[names["events"]], current[names["trials"]]
-        prior_k = past.prior(names["events"], scope, now.pools, step - GUARD_STEPS, self.window_steps)
-        prior_n = past.prior(names["trials"], scope, now.pools, step - GUARD_STEPS, self.window_steps)
-        K = np.array([sequential_sum(p) for p in prior_k])
-        N = np.array([sequential_sum(p) for p in prior_n])
-        count = np.array([len(p) for p in prior_n])
+        rate, count = self._rate(past, scope, now.pools, step)
         with np.errstate(all="ignore"):
-            expected = trials * np.maximum(np.where(count > 0, K / N, np.nan), self.min_rate)
-        return events, expected, count
+            expected = current[names["trials"]] * rate
+        return current[names["events"]], expected, count
+
+    excludes_active = True   # a step enters the baseline only while the alert is inactive
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         events, expected, count = self._parts(now, past, scope, step)
@@ -135,6 +162,26 @@ class CountRise:
             ratio = events / expected
             hit = (ratio > self.factor) & (poisson_z(events, expected) > self.z) & (count >= self.min_points)
         return np.where(hit, ratio, np.nan)
+
+    def statistic(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        events, expected, _ = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            return events / expected
+
+    def clears(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        """The events of the last ``clear_steps`` steps are significantly *below* ``factor`` x
+        what the baseline rate expects of their trials (lower Poisson tail, the same z): a pool
+        too small to show that in one step shows it over several."""
+        names = self._names("pool")
+        current = self.derived(now, scope)
+        sums = {}
+        for key in ("events", "trials"):
+            prior = past.prior(names[key], scope, now.pools, step, self.clear_steps - 1)
+            sums[key] = np.array([sequential_sum(p) + v if not np.isnan(v) else np.nan
+                                  for p, v in zip(prior, current[names[key]])])
+        rate, _ = self._rate(past, scope, now.pools, step)
+        with np.errstate(all="ignore"):
+            return poisson_lower_z(sums["events"], self.factor * (sums["trials"] * rate)) > self.z
 
     def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         """Pools observed this step whose size could not make a rise by ``factor`` significant."""
@@ -181,12 +228,19 @@ class TailRise:
     def metrics(self) -> tuple[str, ...]:
         return (self.p99, self.p999, self.total)
 
+    excludes_active = True
+
+    def _baselines(self) -> tuple[str, str]:
+        """The recorded copies of p99 and p99.9 the baseline reads (steps while inactive only)."""
+        return f"pool:{prometheus_name(self.p99)}:baseline", f"pool:{prometheus_name(self.p999)}:baseline"
+
     @property
     def windows(self) -> dict[str, int]:
-        return {self.p99: self.window_steps + GUARD_STEPS, self.p999: self.window_steps + GUARD_STEPS}
+        return {name + INACTIVE: self.window_steps + GUARD_STEPS for name in self._baselines()}
 
     def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
-        return {}
+        p99, p999 = self._baselines()
+        return {p99: now.get(self.p99), p999: now.get(self.p999)}
 
     def explain(self) -> str:
         return (f"`{self.p99}` > {self.factor:g} x its median over the {self.window_steps} steps before the "
@@ -203,32 +257,51 @@ class TailRise:
         median, count, edge = self._names(scope)
         window = _window(self.window_steps, step_seconds)
         above, expected = f"({n} - ceil(99 * {n} / 100) + 1)", f"({n} / 1000)"
+        base99, base999 = (name.replace("pool:", f"{scope}:", 1) for name in self._baselines())
         return Expression(
             f"{p99} / {median} > {number(self.factor)} and {p99} > {edge} "
             f"and {poisson_z_promql(above, expected)} > {number(self.z)} and {count} >= {self.min_points}",
-            (Recording(median, f"quantile_over_time(0.5, {p99}{window})"),
-             Recording(count, f"count_over_time({p99}{window})"),
-             Recording(edge, f"max_over_time({p999}{window})")))
+            (Recording(base99, p99), Recording(base999, p999),
+             Recording(median, f"quantile_over_time(0.5, {base99}{INACTIVE}{window})"),
+             Recording(count, f"count_over_time({base99}{INACTIVE}{window})"),
+             Recording(edge, f"max_over_time({base999}{INACTIVE}{window})")),
+            statistic=f"{p99} / {median}",
+            clear=f"{p99} <= {edge} and {p99} / {median} <= {number(self.factor)}")
 
     def _z(self, now: Snapshot) -> np.ndarray:
         n = now.get(self.total)
         with np.errstate(all="ignore"):
             return poisson_z(n - np.ceil(99 * n / 100) + 1, n / 1000)
 
-    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
-        x = now.get(self.p99)
-        prior = past.prior(self.p99, scope, now.pools, step - GUARD_STEPS, self.window_steps)
-        edges = past.prior(self.p999, scope, now.pools, step - GUARD_STEPS, self.window_steps)
+    def _parts(self, now: Snapshot, past: Past, scope: Scope, step: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        base99, base999 = self._baselines()
+        prior = past.prior(base99 + INACTIVE, scope, now.pools, step - GUARD_STEPS, self.window_steps)
+        edges = past.prior(base999 + INACTIVE, scope, now.pools, step - GUARD_STEPS, self.window_steps)
         median = np.array([prom_quantile(0.5, p) for p in prior])
         edge = np.array([p.max() if len(p) else np.nan for p in edges])
         count = np.array([len(p) for p in prior])
+        return now.get(self.p99), median, edge, count
+
+    def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x, median, edge, count = self._parts(now, past, scope, step)
         with np.errstate(all="ignore"):
             ratio = x / median
             hit = (ratio > self.factor) & (x > edge) & (self._z(now) > self.z) & (count >= self.min_points)
         return np.where(hit, ratio, np.nan)
 
+    def statistic(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x, median, _, _ = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            return x / median
+
+    def clears(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        """p99 back at or below the baseline's p99.9 edge and within ``factor`` of its median."""
+        x, median, edge, _ = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            return (x <= edge) & (x / median <= self.factor)
+
     def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
-        x = now.get(self.p99)
-        count = np.array([len(p) for p in past.prior(self.p99, scope, now.pools, step - GUARD_STEPS, self.window_steps)])
+        x, _, _, count = self._parts(now, past, scope, step)
         with np.errstate(all="ignore"):
             return ~np.isnan(x) & ((count < self.min_points) | ~(self._z(now) > self.z))

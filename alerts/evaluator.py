@@ -3,7 +3,10 @@
 Semantics are Prometheus' own, counted in steps instead of seconds: a condition that first
 holds at step ``s`` makes the alert pending; it fires at the first step ``t >= s + for_steps``
 at which it still holds, and resolves at the first step it does not (a missing value counts as
-"does not"). Only state changes are returned, so a resync callback runs once per firing.
+"does not"). A condition with a clear test (the count, tail and k3 rules) resolves only when
+that test passes, at the same confidence as the one that fired it (hysteresis); a step at
+which its alert is pending or firing stays out of that rule's baseline. Only state changes are
+returned, so a resync callback runs once per firing.
 
     evaluator = AlertEvaluator()
     events = evaluator.observe(step, time.time(), metrics.report(stats, by=["pool"]))
@@ -23,6 +26,7 @@ import pandas as pd
 from mismatch_monitor.metrics import GroupMetrics
 from mismatch_monitor.report_keys import NULL_TEXT, label_text
 from .conditions import Scope, Snapshot
+from .counts import INACTIVE
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
 from .rules import AlertRule, Fix, Severity, check_rules
@@ -121,6 +125,7 @@ class AlertEvaluator:
             values = rule.condition.evaluate(now, self._history, rule.scope, step)
             self._count_undecided(rule, now, step)
             holding = {_pool(p, rule.scope): float(v) for p, v in zip(now.pools, values) if not np.isnan(v)}
+            holding.update(self._still_firing(rule, now, step, holding))
             for pool, value in holding.items():
                 state = self._active.get((rule.name, pool))
                 if state is None:
@@ -135,8 +140,26 @@ class AlertEvaluator:
                 if state.firing:
                     events.append(self._event(rule, pool, "resolved", step, wall_time, state, False))
         for scope, now in snapshots.items():
-            self._history.push(scope, step, _with_derived(now, self.rules, scope))  # type: ignore[arg-type]
+            derived = _with_derived(now, self.rules, scope, set(self._active))   # after this step
+            self._history.push(scope, step, derived)  # type: ignore[arg-type]
         return events
+
+    def _still_firing(self, rule: AlertRule, now: Snapshot, step: int, holding: dict[str | None, float]
+                      ) -> dict[str | None, float]:
+        """Hysteresis: a firing alert whose condition has a clear test stays firing while its
+        statistic is observed and the test does not say the condition cleared."""
+        clears = getattr(rule.condition, "clears", None)
+        if clears is None or not now.pools:
+            return {}
+        statistic = rule.condition.statistic(now, self._history, rule.scope, step)
+        cleared = clears(now, self._history, rule.scope, step)
+        out = {}
+        for label, value, clear in zip(now.pools, statistic, cleared):
+            pool = _pool(label, rule.scope)
+            state = self._active.get((rule.name, pool))
+            if pool not in holding and state is not None and state.firing and not np.isnan(value) and not clear:
+                out[pool] = float(value)
+        return out
 
     def _count_undecided(self, rule: AlertRule, now: Snapshot, step: int) -> None:
         undecided = getattr(rule.condition, "undecided", None)
@@ -219,13 +242,21 @@ def iter_steps(history: pd.DataFrame, fleet_history: pd.DataFrame | None = None,
         yield step, by_step.get(step, empty), fleet_by_step.get(step)
 
 
-def _with_derived(now: Snapshot, rules: tuple[AlertRule, ...], scope: Scope) -> Snapshot:
-    """The snapshot plus the per-step series the rules' baselines sum (their recording rules)."""
+def _with_derived(now: Snapshot, rules: tuple[AlertRule, ...], scope: Scope,
+                  active: set[tuple[str, str | None]]) -> Snapshot:
+    """The snapshot plus the per-step series the rules' baselines sum (their recording rules);
+    a rule that ``excludes_active`` keeps a pool's step out of them while its alert for that pool
+    is pending or firing (as ``unless on(pool) ALERTS{...}`` does in the rules file)."""
     values = dict(now.values)
     for rule in rules:
         derive = getattr(rule.condition, "derived", None)
-        if rule.scope == scope and derive is not None and now.pools:
-            values.update(derive(now, scope))
+        if rule.scope != scope or derive is None or not now.pools:
+            continue
+        series = derive(now, scope)
+        values.update(series)
+        if getattr(rule.condition, "excludes_active", False):
+            mask = np.array([(rule.name, _pool(p, scope)) in active for p in now.pools])
+            values.update({k + INACTIVE: np.where(mask, np.nan, v) for k, v in series.items()})
     return Snapshot(now.pools, values)
 
 

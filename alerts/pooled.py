@@ -26,7 +26,7 @@ import numpy as np
 from mismatch_monitor.metrics import prometheus_name
 
 from .conditions import Past, Snapshot, _check_metric, _non_negative, _positive
-from .counts import GUARD_STEPS
+from .counts import GUARD_STEPS, INACTIVE
 from .promql import Expression, Recording, Scope, duration, number
 from .promql import series as _series
 from .significance import sequential_sum
@@ -64,12 +64,13 @@ class _Weighted:
     def recordings(self, scope: Scope, window_steps: int, window: str, span: str) -> tuple[Recording, ...]:
         x, total = _series(self.mean, scope), _series(self.total, scope)
         n = self.names(scope, window_steps, span)
-        S, Q = f"sum_over_time({n['weighted']}{window})", f"sum_over_time({n['weighted_sq']}{window})"
+        src = {k: n[k] + (INACTIVE if span == "prior" else "") for k in ("weighted", "weighted_sq", "trials")}
+        S, Q = f"sum_over_time({src['weighted']}{window})", f"sum_over_time({src['weighted_sq']}{window})"
         return (Recording(n["weighted"], f"{x} * {total}"),
                 Recording(n["weighted_sq"], f"{x} * {total} * {x}"),
                 Recording(n["trials"], f"{total} and {x}"),
-                Recording(n["tokens"], f"sum_over_time({n['trials']}{window})"),
-                Recording(n["steps"], f"count_over_time({n['trials']}{window})"),
+                Recording(n["tokens"], f"sum_over_time({src['trials']}{window})"),
+                Recording(n["steps"], f"count_over_time({src['trials']}{window})"),
                 Recording(n["pooled"], f"{S} / {n['tokens']}"),
                 Recording(n["scatter"], f"clamp_min({Q} - {n['pooled']} * {S}, 0) / ({n['steps']} - 1)"))
 
@@ -118,7 +119,7 @@ class MeanRise:
     @property
     def windows(self) -> dict[str, int]:
         n = self._w.names("pool", self.window_steps)
-        return {n[k]: self.window_steps + GUARD_STEPS for k in ("weighted", "weighted_sq", "trials")}
+        return {n[k] + INACTIVE: self.window_steps + GUARD_STEPS for k in ("weighted", "weighted_sq", "trials")}
 
     def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
         return self._w.derived(now)
@@ -136,12 +137,14 @@ class MeanRise:
         return Expression(
             f"{x} / {n['pooled']} > {number(self.factor)} and ({x} - {n['pooled']}) / {se} > {number(self.z)} "
             f"and {n['steps']} >= {self.min_points}",
-            self._w.recordings(scope, self.window_steps, window, "prior"))
+            self._w.recordings(scope, self.window_steps, window, "prior"),
+            statistic=f"{x} / {n['pooled']}",
+            clear=f"({number(self.factor)} * {n['pooled']} - {x}) / {se} > {number(self.z)}")
 
     def _parts(self, now: Snapshot, past: Past, scope: Scope, step: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         names = self._w.names("pool", self.window_steps)
-        prior = {k: past.prior(names[k], scope, now.pools, step - GUARD_STEPS, self.window_steps)
+        prior = {k: past.prior(names[k] + INACTIVE, scope, now.pools, step - GUARD_STEPS, self.window_steps)
                  for k in ("weighted", "weighted_sq", "trials")}
         X, s2, N, c = self._w.pooled(prior)
         x, n = now.get(self.mean), now.get(self.total)
@@ -149,12 +152,25 @@ class MeanRise:
             se = np.sqrt(s2 * (1 / n + 1 / N))
         return x, X, se, c
 
+    excludes_active = True   # a step enters the baseline only while the alert is inactive
+
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         x, X, se, c = self._parts(now, past, scope, step)
         with np.errstate(all="ignore"):
             ratio = x / X
             hit = (ratio > self.factor) & ((x - X) / se > self.z) & (c >= self.min_points)
         return np.where(hit, ratio, np.nan)
+
+    def statistic(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        x, X, _, _ = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            return x / X
+
+    def clears(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        """The mean is significantly *below* ``factor x`` the baseline (same z)."""
+        x, X, se, _ = self._parts(now, past, scope, step)
+        with np.errstate(all="ignore"):
+            return (self.factor * X - x) / se > self.z
 
     def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         """Observed pools where a rise by ``factor`` would not be significant at this size."""

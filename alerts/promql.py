@@ -57,5 +57,11 @@ class Recording:
 
 @dataclass(frozen=True)
 class Expression:
+    """``expr``: when the alert starts (pending, then firing after ``for``). With ``clear``, a
+    firing alert stays firing while ``statistic`` has a sample and ``clear`` has none
+    (hysteresis through the ``ALERTS`` series, see render.py)."""
+
     expr: str
     recordings: tuple[Recording, ...] = ()
+    statistic: str = ""
+    clear: str = ""

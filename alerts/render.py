@@ -8,6 +8,11 @@ alert always reads the recording rules of its own evaluation. Group ``mismatch-m
 records ratios of counters over a rate window, the one correct way to aggregate them across
 cells, ranks and exporters (sum the numerator and the denominator, then divide).
 
+Hysteresis uses the classic self-reference to ``ALERTS`` (the series Prometheus writes for every
+pending and firing alert, read at the next evaluation): ``(enter) or on(pool) (statistic and
+on(pool) ALERTS{alertstate="firing"} unless on(pool) (clear))``, and a rule's baseline series
+record a step only ``unless on(pool) ALERTS{alertname=...}``.
+
 Compatible with Prometheus 2.42: no ``query_offset``, no group ``labels``, no ``keep_firing_for``.
 """
 
@@ -21,6 +26,7 @@ from mismatch_monitor.exporter import COUNTER_BY_FIELD, HISTOGRAM
 from mismatch_monitor.formulas import promql
 from mismatch_monitor.metric_defs import counter_ratios
 
+from .counts import INACTIVE
 from .promql import Recording, duration
 from .definitions import DEFAULT_RULES
 from .rules import AlertRule, check_rules
@@ -39,14 +45,44 @@ RATIOS = counter_ratios()
 SHARES: tuple[str, ...] = ("n_tokens", "n_extreme")   # a pool's share of the fleet's count
 
 
-def alert_rule(rule: AlertRule, step_seconds: float) -> tuple[dict[str, Any], tuple[Recording, ...]]:
+def _on(rule: AlertRule) -> str:
+    return "on(pool)" if rule.scope == "pool" else "on()"
+
+
+def alert_expr(rule: AlertRule, step_seconds: float) -> tuple[str, tuple[Recording, ...]]:
+    """The alert's expression; with a clear test, a firing alert (its ``ALERTS`` series from the
+    previous evaluation) stays while its statistic is there and the clear test is not."""
     expression = rule.condition.promql(rule.scope, step_seconds)
-    out: dict[str, Any] = {"alert": rule.name, "expr": expression.expr}
+    if not expression.clear:
+        return expression.expr, expression.recordings
+    on = _on(rule)
+    firing = f'ALERTS{{alertname="{rule.name}",alertstate="firing"}}'
+    return (f"({expression.expr}) or {on} (({expression.statistic}) and {on} {firing} "
+            f"unless {on} ({expression.clear}))"), expression.recordings
+
+
+def excluded_while_active(rules: tuple[AlertRule, ...]) -> dict[str, tuple[str, str]]:
+    """Recording name -> (matcher, alert regex) of the baseline series a step enters only while
+    the rules reading it are inactive (``ALERTS`` of any state, from the previous evaluation)."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for rule in rules:
+        if not getattr(rule.condition, "excludes_active", False):
+            continue
+        for name in rule.condition.windows:
+            if name.endswith(INACTIVE):
+                record = name.removesuffix(INACTIVE).replace("pool:", f"{rule.scope}:", 1)
+                out.setdefault(record, (_on(rule), []))[1].append(rule.name)
+    return {k: (on, "|".join(sorted(names))) for k, (on, names) in out.items()}
+
+
+def alert_rule(rule: AlertRule, step_seconds: float) -> tuple[dict[str, Any], tuple[Recording, ...]]:
+    expr, recordings = alert_expr(rule, step_seconds)
+    out: dict[str, Any] = {"alert": rule.name, "expr": expr}
     if rule.for_steps:
         out["for"] = duration(rule.for_steps * step_seconds)
     out["labels"] = rule.labels
     out["annotations"] = {f: rule.template(f) for f in ("summary", "description", "runbook")}
-    return out, expression.recordings
+    return out, recordings
 
 
 def rate_rules(rate_window: str = "5m") -> list[dict[str, str]]:
@@ -88,6 +124,11 @@ def rules_document(rules: tuple[AlertRule, ...] = DEFAULT_RULES, *,
                 raise ValueError(f"recording rule {rec.record} defined twice with different expressions")
         alerts.append(alert)
     group = [{"record": name, "expr": expr} for name, expr in recordings.items()] + alerts
+    # after the alerts: a step enters a baseline only if the alert is inactive *after* this
+    # evaluation (ALERTS of this timestamp), so a fault's first step stays out of it too
+    for name, (on, alerts_regex) in excluded_while_active(rules).items():
+        group.append({"record": f"{name}{INACTIVE}",
+                      "expr": f'{name} unless {on} ALERTS{{alertname=~"{alerts_regex}"}}'})
     return {"groups": [{"name": ALERT_GROUP, "rules": group},
                        {"name": RATE_GROUP, "rules": rate_rules(rate_window)}]}
 

@@ -36,6 +36,18 @@ def poisson_z_promql(k: str, lam: str) -> str:
     return f"sqrt({k}) * 3 * (1 - 1 / (9 * {k}) - ({lam} / {k}) ^ {THIRD!r})"
 
 
+def poisson_lower_z(k: np.ndarray, mu: np.ndarray) -> np.ndarray:
+    """Wilson-Hilferty z of *at most* ``k`` events where ``mu`` are expected:
+    ``P(X <= k) = P(chi2_{2(k+1)} > 2 mu)``; large when ``k`` is significantly below ``mu``."""
+    with np.errstate(all="ignore"):
+        return np.sqrt(k + 1) * 3.0 * ((mu / (k + 1)) ** THIRD - 1.0 + 1.0 / (9.0 * (k + 1)))
+
+
+def poisson_lower_z_promql(k: str, mu: str) -> str:
+    """:func:`poisson_lower_z` as PromQL (same operations)."""
+    return f"sqrt({k} + 1) * 3 * (({mu} / ({k} + 1)) ^ {THIRD!r} - 1 + 1 / (9 * ({k} + 1)))"
+
+
 def rounded(x: np.ndarray) -> np.ndarray:
     """PromQL's ``round``: floor(x + 0.5)."""
     return np.floor(x + 0.5)
