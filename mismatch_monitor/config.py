@@ -43,6 +43,8 @@ class MetricConfig:
             clipped low; the capped ESS uses min(rho, C).
         icepop_band: IcePop band [lo, hi]; tokens with rho outside it count as masked.
         extreme_band: the "extreme ratio" band; tokens outside it count as extreme.
+        ppo_clip_eps: epsilon of a PPO ratio clip [1 - eps, 1 + eps], 0 < eps < 1; tokens with rho
+            outside it are what the clip would cut from the mismatch alone (before any update).
         lowprob_edges: sampler-probability bucket edges. Bucket i holds tokens with
             edges[i-1] <= p < edges[i]; the first bucket is p < edges[0], the last p >= edges[-1].
         length_edges: response-length bucket edges (tokens). Bucket i holds lengths in
@@ -80,6 +82,7 @@ class MetricConfig:
     tis_cap: float = 2.0
     icepop_band: tuple[float, float] = (0.5, 5.0)
     extreme_band: tuple[float, float] = (0.2, 5.0)
+    ppo_clip_eps: float = 0.2
     lowprob_edges: tuple[float, ...] = (1e-3, 1e-2, 0.1, 0.5)
     length_edges: tuple[int, ...] = tuple(2**k for k in range(4, 16))
     turn_edges: tuple[int, ...] = (1, 2, 4, 8, 16)
@@ -104,6 +107,9 @@ class MetricConfig:
             raise ValueError(f"expected tis_cap > 1.0, got {self.tis_cap}")
         for name in ("icepop_band", "extreme_band", "seq_product_band", "seq_geometric_band"):
             _band(name, getattr(self, name))
+        if not (isinstance(self.ppo_clip_eps, (int, float)) and 0.0 < self.ppo_clip_eps < 1.0):
+            raise ValueError(f"expected 0 < ppo_clip_eps < 1 (the band [1 - eps, 1 + eps] around rho = 1), "
+                             f"got {self.ppo_clip_eps!r}")
         _increasing("lowprob_edges", self.lowprob_edges)
         if self.lowprob_edges[-1] > 1.0:
             raise ValueError(f"expected lowprob_edges <= 1.0, got {self.lowprob_edges}")

@@ -103,6 +103,12 @@ METRICS: tuple[Metric, ...] = (
     _t("mismatch/extreme_fraction", "share", "extreme share", "share of tokens outside the extreme band",
        Ratio("n_extreme", N), title="extreme band: tokens outside [{extreme_band[0]:g}, {extreme_band[1]:g}]",
        thresholds=("extreme_band",), counters=True),
+    _t("mismatch/ppo_clip_fraction", "share", "PPO-clipped share",
+       "share of tokens with rho outside the PPO clip band (1 - ppo_clip_eps, 1 + ppo_clip_eps]: what PPO's ratio "
+       "clip would cut from the sampler-trainer mismatch alone, before any policy update (rho exactly at "
+       "1 - eps counts as outside, as at the other bands' lower ends)", Ratio("n_outside_ppo_clip", N),
+       title="PPO clip ε = {ppo_clip_eps:g}: tokens with ρ outside [1 - ε, 1 + ε]", thresholds=("ppo_clip_eps",),
+       counters=True),
     _t("mismatch/routing/flip_rate", "share", "routing flip rate", "share of (token, layer) whose top-k expert set "
        "differs", Ratio("n_routing_flips", "n_routing_decisions"), counters=True),
     _t("mismatch/routing/decisions", "count", "routing decisions", "(token, layer) decisions compared: the flip "

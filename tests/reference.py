@@ -342,6 +342,7 @@ def reference_tables(case: Case, config: MetricConfig) -> dict[str, pd.DataFrame
                    n_clip_high=int((rho > C).sum()), n_clip_low=int((rho <= 1 / C).sum()),
                    n_outside_icepop=int(((rho <= lo_i) | (rho > hi_i)).sum()),
                    n_extreme=int(((rho <= lo_x) | (rho > hi_x)).sum()),
+                   n_outside_ppo_clip=int(((rho <= 1.0 - config.ppo_clip_eps) | (rho > 1.0 + config.ppo_clip_eps)).sum()),
                    min_lr=lr.min() if n else np.nan, max_lr=lr.max() if n else np.nan,
                    max_abs_lr=np.abs(lr).max() if n else np.nan)
         routed = case.trainer_experts is not None
@@ -478,6 +479,7 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
             "mismatch/clip_high_fraction": mean(rho > C), "mismatch/clip_low_fraction": mean(rho <= 1 / C),
             "mismatch/icepop_masked_fraction": mean((rho <= config.icepop_band[0]) | (rho > config.icepop_band[1])),
             "mismatch/extreme_fraction": mean((rho <= config.extreme_band[0]) | (rho > config.extreme_band[1])),
+            "mismatch/ppo_clip_fraction": mean(~((rho > 1.0 - config.ppo_clip_eps) & (rho <= 1.0 + config.ppo_clip_eps))),
             "mismatch/data_quality/nonfinite_tokens": float(g["nonfinite"].sum()),
             "mismatch/data_quality/positive_logprob_tokens": float(g["positive"].sum()),
         })

@@ -18,7 +18,8 @@ from mismatch_monitor.metrics import report, title_of
 from reference import make_case
 
 CONFIG = MetricConfig(chunk_tokens=1024)
-NEW = ("mismatch/rho/mean", "mismatch/seq/log_ratio/variance", "mismatch/exact_agreement")
+NEW = ("mismatch/rho/mean", "mismatch/seq/log_ratio/variance", "mismatch/exact_agreement",
+       "mismatch/ppo_clip_fraction")
 
 
 @pytest.mark.parametrize("metric", METRICS + VIEW_METRICS, ids=lambda m: m.key)
@@ -36,6 +37,7 @@ def test_titles_carry_the_runs_thresholds():
     config = MetricConfig(tis_cap=3.5, icepop_band=(0.25, 4.0))
     assert "3.5" in title_of("mismatch/clip_high_fraction", config)
     assert "[0.25, 4]" in title_of("mismatch/icepop_masked_fraction", config)
+    assert "ε = 0.35" in title_of("mismatch/ppo_clip_fraction", MetricConfig(ppo_clip_eps=0.35))
 
 
 def test_a_new_counter_declaration_gets_a_counter_and_rate_rules():

@@ -95,6 +95,23 @@ def test_nondefault_thresholds_match_reference():
     check_all_tables(case, config)
 
 
+@pytest.mark.parametrize("eps", [0.05, 0.2, 0.5])
+def test_ppo_clip_band_counts_match_reference(eps):
+    # |lr| ~ 0.2: a good share of tokens on either side of the band's ends, which for eps = 0.5
+    # coincide with the default IcePop band's lower end (0.5) and lie inside the TIS cap's regions
+    config = MetricConfig(ppo_clip_eps=eps)
+    case = make_case(17, base_scale=0.2, tail_fraction=0.0, bad_fraction=0.005)
+    tokens = check_all_tables(case, config)["tokens"]
+    outside, n = int(tokens["n_outside_ppo_clip"].sum()), int(tokens["n_tokens"].sum())
+    assert 10 < outside < 0.9 * n
+
+
+@pytest.mark.parametrize("eps", [0.0, 1.0, -0.1, float("nan"), "0.2"])
+def test_ppo_clip_eps_is_validated_up_front(eps):
+    with pytest.raises(ValueError, match=r"expected 0 < ppo_clip_eps < 1 .*got"):
+        MetricConfig(ppo_clip_eps=eps)
+
+
 def _assert_same_stats(a, b, *, exact: bool):
     for name in TABLES:
         assert_tables_match(a[name], b[name], name, rtol=0 if exact else 1e-12,

@@ -78,6 +78,7 @@ def test_gauges_match_the_reference_per_pool_hardware_and_fleet():
         assert value(reg, "mismatch_abs_log_ratio_p99", **labels) == pytest.approx(order_stat, rel=alpha)
         assert value(reg, "mismatch_rho_mean_ratio", **labels) == pytest.approx(rho.mean(), rel=1e-12)
         assert value(reg, "mismatch_exact_agreement_ratio", **labels) == np.mean(x == 0) > 0
+        assert value(reg, "mismatch_ppo_clip_ratio", **labels) == pytest.approx(np.mean((rho <= 0.8) | (rho > 1.2)))
         seq_sums = lr[rows].sum(1)                     # one sequence per row
         if len(seq_sums) > 1:                          # one sequence has no variance
             assert value(reg, "mismatch_seq_log_ratio_variance", **labels) == pytest.approx(
@@ -107,6 +108,8 @@ def test_counters_and_histogram_accumulate_exactly():
         assert value(reg, "mismatch_extreme_tokens_total", **labels) == np.sum((np.exp(x) < 0.2) | (np.exp(x) > 5))
         assert value(reg, "mismatch_clipped_high_tokens_total", **labels) == np.sum(np.exp(x) > 2.0)
         assert value(reg, "mismatch_lr_zero_tokens_total", **labels) == np.sum(x == 0) > 0
+        assert value(reg, "mismatch_outside_ppo_clip_tokens_total", **labels) == np.sum(
+            (np.exp(x) <= 0.8) | (np.exp(x) > 1.2))
         assert value(reg, f"{HISTOGRAM}_count", **labels) == x.size
         assert value(reg, f"{HISTOGRAM}_sum", **labels) == pytest.approx(np.abs(x).sum(), rel=1e-12)
         for le in les:  # bucket bounds are bin edges: the counts are exact

@@ -45,6 +45,7 @@ TOKEN_FIELDS: tuple[Field, ...] = (
     _f("n_clip_low", "sum", "int64", "tokens with rho <= 1 / tis_cap"),
     _f("n_outside_icepop", "sum", "int64", "tokens with rho outside (lo, hi] of icepop_band"),
     _f("n_extreme", "sum", "int64", "tokens with rho outside (lo, hi] of extreme_band"),
+    _f("n_outside_ppo_clip", "sum", "int64", "tokens with rho outside (1 - ppo_clip_eps, 1 + ppo_clip_eps]"),
     _f("min_lr", "min", "float64", "smallest lr (null when n_tokens = 0)"),
     _f("max_lr", "max", "float64", "largest lr (null when n_tokens = 0)"),
     _f("max_abs_lr", "max", "float64", "largest |lr| (null when n_tokens = 0)"),

@@ -12,6 +12,11 @@ from ..config import MetricConfig
 from .routing import flat_nonzero
 
 
+def ppo_band(config: MetricConfig) -> tuple[float, float]:
+    """(1 - eps, 1 + eps) of the PPO ratio clip: one definition for the regions and the count."""
+    return (1.0 - config.ppo_clip_eps, 1.0 + config.ppo_clip_eps)
+
+
 @dataclass(frozen=True)
 class Regions:
     """lr thresholds of every band and cap, and 0; region i holds lr in (b[i-1], b[i]].
@@ -26,7 +31,7 @@ class Regions:
     def from_config(cls, config: MetricConfig) -> "Regions":
         c = config.tis_cap
         points = {0.0, math.log(1.0 / c), math.log(c), *(math.log(v) for v in config.icepop_band),
-                  *(math.log(v) for v in config.extreme_band)}
+                  *(math.log(v) for v in config.extreme_band), *(math.log(v) for v in ppo_band(config))}
         return cls(tuple(sorted(points)))
 
     @property

@@ -21,7 +21,7 @@ from . import native
 from .histogram import LogBins
 from .slicing import Cells
 from .stats import empty_table, table_schema
-from .regions import Regions
+from .regions import Regions, ppo_band
 from .token_pass import JOINT_SUMS, TokenAccumulators
 
 Columns = Mapping[str, object]
@@ -120,6 +120,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
     n_above = count(~below)
     lo_i, hi_i = config.icepop_band
     ex_lo, ex_hi = config.extreme_band
+    ppo_lo, ppo_hi = ppo_band(config)
     n_tokens = reg.sum(1)
     empty = n_tokens == 0
     min_lr = np.where(empty, np.nan, np_(acc.min_lr[:C]))
@@ -140,6 +141,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
         "n_clip_low": count(r <= regions.at_most(1.0 / cap)),
         "n_outside_icepop": count((r <= regions.at_most(lo_i)) | (r > regions.at_most(hi_i))),
         "n_extreme": count((r <= regions.at_most(ex_lo)) | (r > regions.at_most(ex_hi))),
+        "n_outside_ppo_clip": count((r <= regions.at_most(ppo_lo)) | (r > regions.at_most(ppo_hi))),
         "min_lr": min_lr, "max_lr": max_lr, "max_abs_lr": np.maximum(-min_lr, max_lr),
         "n_support_known": np_(acc.n_support_known[:C]),
         "n_support_mismatch": np_(acc.n_support_mismatch[:C]),
