@@ -229,3 +229,23 @@ def share_bars(shares: pd.DataFrame) -> go.Figure:
     fig.update_yaxes(title="share", tickformat=".0%", rangemode="tozero")
     fig.update_layout(barmode="group")
     return finish(fig, 380)
+
+
+OUTCOME_COLORS = {"reward": "#222222", "eval_reward": "#ff7f0e"}
+
+
+def outcomes_figure(df: pd.DataFrame, *, x: XAxis = "step", smoothing: float = 0.0, height: int = 340) -> go.Figure:
+    """Training outcomes (``name``, ``value`` per step, ``pool`` null for the whole batch) over
+    steps: each name's whole-batch line in its own colour, each pool's line in the pool's."""
+    fig = go.Figure()
+    colors = color_map([p for p in group_names(df, "pool") if not pd.isna(p)])
+    for name in df["name"].drop_duplicates().tolist():
+        part = df[df["name"] == name]
+        whole, pools = part[part["pool"].isna()], part[part["pool"].notna()]
+        add_series(fig, whole, "value", group=None, x=x, smoothing=smoothing, name=str(name),
+                   colors={str(name): OUTCOME_COLORS.get(str(name), PALETTE[0])})
+        add_series(fig, pools, "value", group="pool", x=x, smoothing=smoothing, colors=colors,
+                   labels={p: f"{name} · {p}" for p in pools["pool"].unique()})
+    fig.update_yaxes(title="value")
+    fig.update_xaxes(title=x_title(x))
+    return finish(fig, height)

@@ -147,7 +147,9 @@ def empty(message: str) -> None:
     st.info(message, icon=":material/info:")
 
 
-MARKS_CAPTION = "Vertical lines: alert fired (red), resolved (green, dotted), resync triggered (purple, dashed)."
+MARKS_CAPTION = ("Vertical lines: alert fired (red), resolved (green, dotted), resync triggered (purple, "
+                 "dashed), resync done (purple), run resumed (black, dash-dot); grey ticks at the foot: weight "
+                 "syncs.")
 
 
 @dataclass(frozen=True)
@@ -159,13 +161,18 @@ class Marks:
     span: Span
     x: XAxis
     opacity: float = 0.6
+    run_events: pd.DataFrame | None = None   # weight syncs, resumes, resyncs (``query.events``)
 
 
-def marks(view: View, span: Span, run_dir: Path | None = None, opacity: float = 0.6) -> Marks:
+def marks(view: View, span: Span, run_dir: Path | None = None, opacity: float = 0.6, *,
+          alerts: bool = True) -> Marks:
     """The annotation layer of a page's time-series charts: the run's (``run_dir``, default the
-    view's) alert events and resync triggers."""
-    events = data.load("alerts", run_dir or view.run_dir, **view.params)["events"]
-    return Marks(events, span, view.x, opacity)
+    view's) alert events and resync triggers (unless ``alerts`` is False: a chart that marks them
+    itself), and its weight syncs, resumes and resyncs. A run written before its log of events
+    has none: its charts are drawn as before."""
+    d = data.load("alerts", run_dir or view.run_dir, **view.params)
+    events = d["events"] if alerts else d["events"].iloc[:0]
+    return Marks(events, span, view.x, opacity, d["run_events"])
 
 
 def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = None,
@@ -174,7 +181,8 @@ def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = Non
     over it. A time-series chart (``x`` given, or ``events``) keeps its zoom in the URL
     (``zoom.keep``)."""
     for m in [events] if isinstance(events, Marks) else (events or []):
-        timeline.annotate(fig, m.events, x=m.x, first=m.span.origin, width=m.span.width, opacity=m.opacity)
+        timeline.annotate(fig, m.events, x=m.x, first=m.span.origin, width=m.span.width, opacity=m.opacity,
+                          run_events=m.run_events)
         x = x or m.x
     if x is not None:
         zoom.keep(fig, key, x)

@@ -18,6 +18,7 @@ import pandas as pd
 from mismatch_monitor import query
 from mismatch_monitor.engine.histogram import QUANTILES
 from mismatch_monitor.metrics import METRICS
+from mismatch_monitor.query.events import run_events, run_outcomes
 from mismatch_monitor.store import read_run_info
 
 from .routing_cells import with_zero_flips
@@ -43,6 +44,7 @@ POOL_DEFAULT: tuple[str, ...] = (K3, P99, MAX_ABS, ESS, EXTREME, STALENESS, "mis
 # every share whose value depends on a config threshold: what a correction would clip or drop
 CORRECTIONS: tuple[str, ...] = tuple(m.key for m in METRICS if m.unit == "share" and m.thresholds)
 SPARK_STEPS = 100   # steps behind each sparkline and trend
+OUTCOMES: tuple[str, ...] = ("reward", "eval_reward")   # the training outcomes the Overview draws
 HEATMAP_COLUMNS = 240  # step bins of the |log ρ| histogram heatmap (bins x steps cells)
 
 
@@ -72,6 +74,13 @@ def span_of(index: pd.DataFrame, window: int | None, max_points: int) -> Span | 
     n = int(((index["step"] >= first) & (index["step"] <= last)).sum())
     origin, width = query.aligned_bins(first, last, query.step_width(first, last, max_points), max_points)
     return Span(first, last, width, n, origin)
+
+
+def _in_span(frame: pd.DataFrame, span: Span | None) -> pd.DataFrame:
+    """The rows of a step-keyed log within the steps shown (none without a visible step)."""
+    if span is None:
+        return frame.iloc[:0]
+    return frame[(frame["step"] >= span.first) & (frame["step"] <= span.last)].reset_index(drop=True)
 
 
 def _pool_filter(pool: str | None) -> dict[str, str] | None:
@@ -111,6 +120,8 @@ def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) ->
                                                      metrics=HEADLINE, steps=recent)
     out["history"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.origin, width=span.width,
                                                 metrics=HEADLINE + (STALENESS,), steps=span.steps)
+    outcomes = _in_span(run_outcomes(con, run_dir), span)   # empty for a run written before outcomes
+    out["outcomes"] = outcomes[outcomes["name"].isin(OUTCOMES)].reset_index(drop=True)
     return out
 
 
@@ -201,6 +212,7 @@ def alerts(con: Con, run_dir: Path, *, window: int | None, max_points: int,
     out, span = _start(con, run_dir, window, max_points)
     events = query.alert_events(con, run_dir, steps=None if span is None else span.steps)
     out["events"] = events
+    out["run_events"] = _in_span(run_events(con, run_dir), span)   # syncs, resumes, resyncs (may be none)
     out["firing"] = query.firing_alerts(events)
     out["resyncs"] = events[(events["state"] == "firing") & events["resync"].fillna(False).astype(bool)]
     if span is None or metric is None:

@@ -48,7 +48,8 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
             scale = layout.scale_control("alerts_timeline")
             layout.chart(timeline.alert_timeline(d["series"], mine, metric, metric_label=layout.metric_label(metric),
                                                  x=view.x, smoothing=view.smoothing, first=span.origin,
-                                                 width=span.width, y_scale=scale), key="alerts_timeline", x=view.x)
+                                                 width=span.width, y_scale=scale), key="alerts_timeline",
+                         events=layout.marks(view, span, alerts=False))
             last = mine.iloc[-1]
             with st.expander(f"Runbook: {chosen}"):
                 st.markdown(str(last.get("runbook") or "—"))

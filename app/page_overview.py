@@ -28,17 +28,27 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
             layout.no_steps("the overview")
             return
         events, firing = d["events"], d["firing"]
-        st.subheader("What changed, in which pool, since when")
-        changed = timeline.changes(events, span.last, loaders.SPARK_STEPS)
-        if not len(events):
-            layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
-        elif not len(changed):
-            st.success(f"No alert firing, none resolved in the last {loaders.SPARK_STEPS} steps "
-                       f"({len(events)} past event(s): see Alerts and resyncs).", icon=":material/check_circle:")
-        else:
-            if len(firing):
-                st.error(f"{len(firing)} alert(s) firing", icon=":material/notifications_active:")
-            st.dataframe(layout.readable(changed), hide_index=True, width="stretch")
+        outcomes = d.get("outcomes")
+        # the training outcomes beside the alerts; a run that logs none keeps the whole width for them
+        shown = outcomes is not None and len(outcomes) > 0
+        alerts_col, outcomes_col = st.columns([3, 2]) if shown else (st.container(), None)
+        with alerts_col:
+            st.subheader("What changed, in which pool, since when")
+            changed = timeline.changes(events, span.last, loaders.SPARK_STEPS)
+            if not len(events):
+                layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
+            elif not len(changed):
+                st.success(f"No alert firing, none resolved in the last {loaders.SPARK_STEPS} steps "
+                           f"({len(events)} past event(s): see Alerts and resyncs).", icon=":material/check_circle:")
+            else:
+                if len(firing):
+                    st.error(f"{len(firing)} alert(s) firing", icon=":material/notifications_active:")
+                st.dataframe(layout.readable(changed), hide_index=True, width="stretch")
+        if outcomes_col is not None:
+            with outcomes_col:
+                st.subheader("Training outcomes")
+                layout.chart(figures.outcomes_figure(outcomes, x=view.x, smoothing=view.smoothing),
+                             key="overview_outcomes", events=layout.marks(view, span))
         errors = d["errors"]
         st.subheader("Collector errors")
         if not len(errors):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -110,28 +112,65 @@ def events_strip(events: pd.DataFrame, *, x: XAxis = "step", height_per_alert: i
     return fig
 
 
+# a run event kind (``query.events``) -> line colour, dash, width, and whether it crosses the
+# plot ("full") or is a tick at its foot ("rug": weight syncs come every step, a gap is the news)
+RUN_EVENT_STYLE: dict[str, tuple[str, str, float, str]] = {
+    "resync": (RESYNC[1], "solid", 1.5, "full"),
+    "resync_request": (RESYNC[1], "dash", 1.0, "full"),
+    "resume": ("#222222", "dashdot", 1.5, "full"),
+    "weight_sync": ("#8c8c8c", "solid", 1.0, "rug"),
+}
+RUG_HEIGHT = 0.03   # of the figure's height
+
+
+def _bins(frame: pd.DataFrame, x: XAxis, first: int, width: int) -> pd.Series:
+    """Where each row is drawn: its step bin, or its wall time in ms (a date axis' unit in a path)."""
+    if x == "time":
+        return (frame["wall_time"].astype("float64") * 1000.0).round(3)
+    return first + (frame["step"].astype("int64") - first) // width * width
+
+
+def _path(xs: pd.Series, y0: float, y1: float) -> str:
+    return " ".join(f"M{float(v)!r},{y0} V{y1}" for v in xs.drop_duplicates().sort_values())
+
+
 def annotate(fig: go.Figure, events: pd.DataFrame, *, x: XAxis = "step", first: int = 0,
-             width: int = 1, opacity: float = 0.6) -> go.Figure:
-    """The shared annotation layer of every time-series chart: a vertical line at each alert
-    firing (red), resolution (green, dotted) and resync trigger (purple, dashed), across every
-    subplot, at the step bin the event falls in. Lines are layout shapes: they never stretch
-    the axes (a log axis keeps its range)."""
-    if not len(events):
-        return fig
-    ev = events.copy()
-    ev["bin"] = first + (ev["step"].astype("int64") - first) // width * width
-    resync = (ev["state"] == "firing") & ev["resync"].fillna(False).astype(bool)
-    xrefs, shapes = _column_axes(fig), []
-    for rows, color, dash in ((ev["state"] == "firing") & ~resync, MARKERS["firing"][1], "solid"), \
-                             (ev["state"] == "resolved", MARKERS["resolved"][1], "dot"), \
-                             (resync, RESYNC[1], "dash"):
-        part = ev[rows]
-        xs = part["bin"] if x == "step" else pd.to_datetime(part["wall_time"], unit="s", utc=True)
-        for xv in xs.drop_duplicates():
-            shapes += [dict(type="line", xref=xref, yref="paper", x0=xv, x1=xv, y0=0, y1=1, opacity=opacity,
-                            line=dict(color=color, dash=dash, width=1), layer="below") for xref in xrefs]
-    fig.update_layout(shapes=list(fig.layout.shapes) + shapes)   # at once: add_vline per subplot is slow
+             width: int = 1, opacity: float = 0.6, run_events: pd.DataFrame | None = None) -> go.Figure:
+    """The shared annotation layer of every time-series chart, at the step bin each event falls
+    in: a vertical line at each alert firing (red), resolution (green, dotted) and resync
+    trigger (purple, dashed); and of the run's own log (``run_events``), each resync (purple),
+    resync request (purple, dashed), resume (black, dash-dot) and, as ticks at the foot of the
+    chart, each weight sync (grey). One path per kind and column of subplots: the lines are
+    layout shapes (they never stretch the axes, a log axis keeps its range), drawn at once."""
+    styles: list[tuple[pd.Series, str, str, float, str]] = []
+    if len(events):
+        at = _bins(events, x, first, width)
+        resync = (events["state"] == "firing") & events["resync"].fillna(False).astype(bool)
+        styles += [(at[(events["state"] == "firing") & ~resync], MARKERS["firing"][1], "solid", 1.0, "full"),
+                   (at[events["state"] == "resolved"], MARKERS["resolved"][1], "dot", 1.0, "full"),
+                   (at[resync], RESYNC[1], "dash", 1.0, "full")]
+    if run_events is not None and len(run_events):
+        at = _bins(run_events, x, first, width)
+        styles += [(at[run_events["kind"] == kind], color, dash, w, where)
+                   for kind, (color, dash, w, where) in RUN_EVENT_STYLE.items()]
+    shapes = []
+    for xref in _column_axes(fig):
+        for xs, color, dash, w, where in styles:
+            if not len(xs):
+                continue
+            shapes.append(dict(type="path", xref=xref, yref="paper", layer="below", opacity=opacity,
+                               path=_path(xs, 0.0, RUG_HEIGHT if where == "rug" else 1.0),
+                               line=dict(color=color, dash=dash, width=w)))
+    if shapes:
+        fig.update_layout(shapes=list(fig.layout.shapes) + shapes)
     return fig
+
+
+def positions(shape: object) -> list[float]:
+    """The x positions of the lines of one annotation path (:func:`annotate`): what a reader of
+    the figure (a test, the browser) sees drawn."""
+    path = shape["path"] if isinstance(shape, dict) else getattr(shape, "path", None)
+    return [float(v) for v in re.findall(r"M([^,]+),", path or "")]
 
 
 def _column_axes(fig: go.Figure) -> list[str]:

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pandas as pd
+import plotly.graph_objects as go
 import pytest
 
 from mismatch_monitor.app import axes, colors, figures, heatmaps, routing_cells, timeline
@@ -134,11 +135,38 @@ def test_the_annotation_layer_draws_each_event_on_every_column_without_stretchin
     df = frame({"bf16": [1e-6, 1e-4, 1e-2] * 4})
     fig = figures.small_multiples(df, [K3, K3, K3], {}, group="pool", cols=3)
     timeline.annotate(fig, events_frame(), first=0, width=2)
-    lines = [(s.x0, s.xref, s.line.color) for s in fig.layout.shapes]
+    lines = [(x, s.xref, s.line.color) for s in fig.layout.shapes for x in timeline.positions(s)]
     assert len(lines) == 4 * 3                                    # every event, in each column
     assert {x for x, _, _ in lines} == {2, 4, 6, 8}               # the step bins the events fall in
     assert {c for x, _, c in lines if x == 6} == {timeline.RESYNC[1]}
+    assert {xref for _, xref, _ in lines} == {"x", "x2", "x3"}
     assert all(s.yref == "paper" for s in fig.layout.shapes)      # shapes: the data range is untouched
+    assert len(fig.layout.shapes) == 3 * 3                        # one path per kind and column
+
+
+def run_events_frame() -> pd.DataFrame:
+    return pd.DataFrame({"step": [0, 1, 2, 3, 4, 4], "wall_time": [1.7e9 + s for s in (0, 1, 2, 3, 4, 4)],
+                         "kind": ["weight_sync", "weight_sync", "resume", "weight_sync", "resync", "resync_request"],
+                         "pool": ["bf16", "bf16", None, "fp8", "async", "async"], "version": [0, 1, None, 3, 4, None],
+                         "message": [""] * 6})
+
+
+def test_run_events_join_the_annotation_layer_syncs_as_ticks_at_the_foot() -> None:
+    df = frame({"bf16": [1e-6, 1e-4, 1e-2] * 4})
+    fig = figures.small_multiples(df, [K3, K3], {}, group="pool", cols=2)
+    timeline.annotate(fig, events_frame().iloc[:0], first=0, width=2, run_events=run_events_frame())
+    by_colour = {}
+    for s in fig.layout.shapes:
+        by_colour.setdefault((s.line.color, s.line.dash), set()).update(timeline.positions(s))
+    sync, resume = timeline.RUN_EVENT_STYLE["weight_sync"], timeline.RUN_EVENT_STYLE["resume"]
+    assert by_colour[(sync[0], sync[1])] == {0, 2}                # steps 0, 1 and 3 in bins of 2
+    assert by_colour[(resume[0], resume[1])] == {2}
+    assert by_colour[(timeline.RESYNC[1], "solid")] == {4} and by_colour[(timeline.RESYNC[1], "dash")] == {4}
+    ticks = [s for s in fig.layout.shapes if s.line.color == sync[0]]
+    assert all(f"V{timeline.RUG_HEIGHT}" in s.path for s in ticks) and len(ticks) == 2   # at the foot, per column
+    on_time = timeline.annotate(go.Figure(), events_frame().iloc[:0], x="time", run_events=run_events_frame())
+    assert {x for s in on_time.layout.shapes for x in timeline.positions(s)} == {
+        (1.7e9 + s) * 1000 for s in (0, 1, 2, 3, 4)}               # a date axis: ms since the epoch
 
 
 def test_changes_list_firing_first_then_recently_resolved_with_since() -> None:

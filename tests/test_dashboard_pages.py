@@ -60,7 +60,9 @@ def test_the_alerts_page_opens_on_the_alert_firing_now(monkeypatch) -> None:  # 
 
 
 def lines(layout: dict) -> list[dict]:
-    return [s for s in layout.get("shapes", []) if s.get("type") == "line" and s.get("yref") == "paper"]
+    """Each line of the annotation layer: its x and the opacity of its path."""
+    return [{"x0": x, "opacity": s["opacity"]} for s in layout.get("shapes", []) if s.get("yref") == "paper"
+            for x in timeline.positions(s)]
 
 
 def test_corrections_charts_carry_the_alert_and_resync_lines(monkeypatch) -> None:  # noqa: ANN001
