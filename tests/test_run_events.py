@@ -29,7 +29,7 @@ from mismatch_monitor.alerts import AlertEvaluator
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.cli import main
 from mismatch_monitor.collectors import MismatchCollector
-from mismatch_monitor.query.events import run_events, run_outcomes
+from mismatch_monitor.query.events import resync_effects, run_events, run_outcomes
 from mismatch_monitor.store import RunWriter, compact_run
 from mismatch_monitor.store import writer as writer_module
 
@@ -48,7 +48,7 @@ def _clock():
 
 
 def collapsing_batch(step: int) -> TokenBatch:
-    """Pool fp8's ratios collapse (ESS ~ 0.37) at steps 3-6 and 9-11: MismatchLowESS fires at 4 and 10."""
+    """Pool fp8's ratios collapse (ESS ~ 0.37) at steps 3-6 and 9-11: two incidents, a resync each."""
     gen = torch.Generator().manual_seed(step)
     mu = -(8.0 + 3.0 * torch.rand(8, 64, generator=gen, dtype=torch.float64))
     fp8 = 1.0 if step in {3, 4, 5, 6, 9, 10, 11} else 0.05
@@ -246,21 +246,42 @@ def test_bad_data_is_counted_and_kept_and_strict_raises(tmp_path):
 
 def test_an_alert_asking_for_a_resync_is_recorded_before_the_callback_resyncs(tmp_path):
     run = tmp_path / "run"
+    asked: list = []
     with MismatchCollector(run, alert_evaluator=AlertEvaluator(), flush_every_steps=3, clock=_clock()) as mc:
         @mc.on_resync
         def resync(event) -> None:
+            asked.append(event)
             mc.log_event("resync", pool=event.pool, version=event.step, message="weights reloaded")
 
         for step in range(14):
             mc.log_step(step, collapsing_batch(step))
+    assert len(asked) >= 2, "pool fp8 collapses twice: a resync is asked for each time"
     events = _events(run)
-    # MismatchLowESS fires at steps 4 and 10 (test_alert_callbacks): both take effect from the next step
-    assert _as_tuples(events, ["step", "kind", "pool", "version"]) == [
-        (5, "resync_request", "fp8", None), (5, "resync", "fp8", 4),
-        (11, "resync_request", "fp8", None), (11, "resync", "fp8", 10)]
+    # each request and the resync it led to take effect from the step after the alert's
+    expected = []
+    for e in asked:
+        expected += [(e.step + 1, "resync_request", "fp8", None), (e.step + 1, "resync", "fp8", e.step)]
+    assert _as_tuples(events, ["step", "kind", "pool", "version"]) == expected
     request = events["message"].iloc[0]
-    assert "MismatchLowESS asked for a resync at step 4" in request and "1 on_resync callback(s)" in request
+    assert f"{asked[0].alert} asked for a resync at step {asked[0].step}" in request
+    assert "1 on_resync callback(s)" in request
     assert (events["wall_time"].diff().dropna() >= 0).all()
+
+    # did it help: the pool's k3 just before and from the resync on, against the batches' own tokens
+    def k3(step: int) -> float:
+        b = collapsing_batch(int(step))
+        lr = (b.trainer_logprobs - b.sampler_logprobs).numpy()[4 * 64:]     # [N]: rows 4-7 are pool fp8
+        return float(np.mean(np.expm1(lr) - lr))
+
+    effects = resync_effects(query.connect(), run)
+    assert _as_tuples(effects, ["step", "pool", "version", "before_step", "after_step"]) == [
+        (e.step + 1, "fp8", e.step, e.step, e.step + 1) for e in asked]
+    for row in effects.itertuples(index=False):
+        assert row.before == pytest.approx(k3(row.before_step), rel=1e-9)
+        assert row.after == pytest.approx(k3(row.after_step), rel=1e-9)
+    text = _summary(run)
+    assert f"resyncs, the pool's k3 KL before -> from the resync on (the latest {len(asked)}):" in text
+    assert f" @{asked[-1].step} " in text and text.count(f" @{asked[-1].step + 1}") == 1
 
 
 def _summary(run, *args: str) -> str:
@@ -283,8 +304,8 @@ def test_summary_lists_events_and_the_last_value_of_each_outcome(tmp_path):
     assert "weight events: 4 weight_sync, 1 resync (the latest 2):" in text
     lines = text.splitlines()
     start = lines.index(next(line for line in lines if line.startswith("weight events")))
-    assert lines[start + 3].split() == ["3", "weight_sync", "(every", "pool)", "3", "sync", "3"]
-    assert lines[start + 4].split() == ["4", "resync", "fp8", "9", "reloaded"]
+    assert lines[start + 1:start + 3] == ["  step 3: weight_sync (every pool, version 3): sync 3",
+                                          "  step 4: resync (pool fp8, version 9): reloaded"]
     start = lines.index("training outcomes, the last value of each:")
     assert [line.split() for line in lines[start + 3:start + 6]] == [
         ["loss", "(whole", "batch)", "3", "0"], ["reward", "(whole", "batch)", "3", "0.375"],

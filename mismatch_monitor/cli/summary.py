@@ -12,7 +12,7 @@ import pandas as pd
 
 from .. import query
 from ..metrics import format_of
-from ..query.events import run_events, run_outcomes
+from ..query.events import resync_effects, run_events, run_outcomes
 from ..store.event_log import EVENT_KINDS
 from ..store import read_run_info, run_status
 
@@ -25,6 +25,7 @@ POOL_COLUMNS: tuple[tuple[str, str, str], ...] = tuple((key, title, "{:" + forma
 ))
 SLICE_KEYS = ("pool", "length_bucket", "turn_bucket")
 EVENTS_LISTED = 10   # the latest weight syncs, resumes and resyncs listed by default
+RESYNC_METRIC = "mismatch/k3_kl"   # what a resync's effect is read on
 
 
 def _fmt(value: object, pattern: str) -> str:
@@ -70,10 +71,22 @@ def _print_events(events: pd.DataFrame, latest: int) -> None:
     counts = events["kind"].value_counts()
     print("weight events: " + ", ".join(f"{int(counts[k])} {k}" for k in EVENT_KINDS if k in counts)
           + (f" (the latest {latest}):" if len(events) > latest else ":"))
-    rows = [[str(e["step"]), e["kind"], "(every pool)" if pd.isna(e["pool"]) else e["pool"],
-             "-" if pd.isna(e["version"]) else str(e["version"]), e["message"]]
-            for _, e in events.tail(latest).iterrows()]
-    print(format_table(["step", "event", "pool", "version", "message"], rows))
+    for _, e in events.tail(latest).iterrows():
+        pool = "every pool" if pd.isna(e["pool"]) else f"pool {e['pool']}"
+        version = "" if pd.isna(e["version"]) else f", version {e['version']}"
+        print(f"  step {e['step']}: {e['kind']} ({pool}{version})" + (f": {e['message']}" if e["message"] else ""))
+
+
+def _print_resync_effects(effects: pd.DataFrame, latest: int) -> None:
+    if not len(effects):
+        return
+    pattern = "{:" + format_of(RESYNC_METRIC) + "}"
+    print(f"\nresyncs, the pool's k3 KL before -> from the resync on (the latest {min(latest, len(effects))}):")
+    rows = [[str(e["step"]), "(every pool)" if pd.isna(e["pool"]) else e["pool"],
+             _fmt(e["before"], pattern) + ("" if pd.isna(e["before_step"]) else f" @{e['before_step']}"),
+             _fmt(e["after"], pattern) + ("" if pd.isna(e["after_step"]) else f" @{e['after_step']}")]
+            for _, e in effects.tail(latest).iterrows()]
+    print(format_table(["step", "pool", "before", "after"], rows))
 
 
 def _print_outcomes(outcomes: pd.DataFrame) -> None:
@@ -108,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             at = "no step" if pd.isna(e["last_step"]) else f"last at step {int(e['last_step'])}"
             print(f"  {int(e['count'])}x ({at}) {e['where']}: {e['kind']}: {e['message']}")
     _print_events(run_events(con, args.run_dir), latest_events)
+    _print_resync_effects(resync_effects(con, args.run_dir, RESYNC_METRIC), latest_events)
     _print_outcomes(run_outcomes(con, args.run_dir))
     if observed.empty:
         print("no observations yet: every metric is null")

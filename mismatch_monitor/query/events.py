@@ -13,7 +13,7 @@ import pandas as pd
 
 from ..store.event_log import EVENT_COLUMNS, EVENTS_TABLE, OUTCOME_COLUMNS, OUTCOMES_TABLE, empty_frame
 from ..store.schema import file_id_of
-from .core import RunDir, _retry, current_files
+from .core import RunDir, _retry, current_files, metric_series
 
 # the rows of committed flushes, each write once: the latest file of its write_id
 _COMMITTED = ("SELECT t.*, max(t.file_id) OVER (PARTITION BY t.write_id) AS latest_file "
@@ -46,3 +46,32 @@ def run_outcomes(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFram
     """The run's training outcomes, by step: step, wall_time, pool (null: the whole batch),
     name, value; one row per (step, pool, name), the value logged last."""
     return _read(con, run_dir, OUTCOMES_TABLE, _OUTCOMES_SQL, OUTCOME_COLUMNS)
+
+
+RESYNC_EFFECT_COLUMNS: dict[str, str] = {"step": "int64", "pool": "string", "version": "Int64",
+                                         "before_step": "Int64", "before": "float64",
+                                         "after_step": "Int64", "after": "float64"}
+
+
+def resync_effects(con: duckdb.DuckDBPyConnection, run_dir: RunDir, metric: str = "mismatch/k3_kl") -> pd.DataFrame:
+    """Did each resync help: per ``resync`` event (step, pool, version), ``metric`` of that pool
+    at the last observed step before the resync (``before_step``, ``before``) and at the first
+    observed step from it on (``after_step``, ``after``); null where the run has no such step.
+    A resync of every pool (pool null) is read on the whole fleet."""
+    events = run_events(con, run_dir)
+    resyncs = events[events["kind"] == "resync"]
+    if not len(resyncs):
+        return pd.DataFrame({c: pd.Series([], dtype=t) for c, t in RESYNC_EFFECT_COLUMNS.items()})
+    by_pool = metric_series(con, run_dir, ["pool"], metrics=[metric])
+    fleet = metric_series(con, run_dir, metrics=[metric])
+    rows = []
+    for r in resyncs.itertuples(index=False):
+        series = fleet if pd.isna(r.pool) else by_pool[by_pool["pool"] == r.pool]
+        series = series[series[metric].notna()]
+        before, after = series[series["step"] < r.step].tail(1), series[series["step"] >= r.step].head(1)
+        rows.append({"step": r.step, "pool": r.pool, "version": r.version,
+                     "before_step": before["step"].iloc[0] if len(before) else None,
+                     "before": float(before[metric].iloc[0]) if len(before) else None,
+                     "after_step": after["step"].iloc[0] if len(after) else None,
+                     "after": float(after[metric].iloc[0]) if len(after) else None})
+    return pd.DataFrame(rows).astype(RESYNC_EFFECT_COLUMNS)
