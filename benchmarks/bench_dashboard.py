@@ -37,7 +37,7 @@ import torch
 from mismatch_monitor import query
 from mismatch_monitor.app import loaders
 from mismatch_monitor.app.navigation import PAGES
-from mismatch_monitor.query import rollup
+from mismatch_monitor.store import rollup
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats
@@ -124,7 +124,7 @@ def timed(fn, repeat: int) -> float:
 
 
 def with_rollups(tables: tuple[str, ...]) -> tuple[str, ...]:
-    """The tables and the rollups of those a page reads binned (``query/rollup.py``)."""
+    """The tables and the rollups of those a page reads binned (``store/rollup.py``)."""
     return tables + tuple(rollup.rollup_name(t) for t in tables if t in rollup.ROLLUP_TABLES)
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from mismatch_monitor import query
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.engine.fields import TABLES, merge_rules
-from mismatch_monitor.query import rollup
+from mismatch_monitor.store import rollup
 from mismatch_monitor.query.views import _rollup_plan
 from mismatch_monitor.store.runlock import RunLock
 from mismatch_monitor.store import compact_run

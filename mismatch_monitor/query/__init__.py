@@ -11,7 +11,7 @@ Identifiers (group-by columns) are checked against the known key columns; every 
 ``breakdowns`` the per-table breakdowns (pool shares, probability buckets, MoE layers).
 """
 
-from .core import (aggregate, connect, copy_current, forget_files, histogram, latest, metric_series, metric_series_runs,
+from .core import (aggregate, connect, forget_files, histogram, latest, metric_series, metric_series_runs,
                    rows, run_config, steps_index, table_files, token_cell_table)
 from .core import _retry  # noqa: F401  (compaction documents the retry it relies on)
 from .rollup import aligned_bins
@@ -22,7 +22,7 @@ from .breakdowns import crossing_length, lowprob_series, pool_shares, routing_la
 from .views import _current_sources  # noqa: F401  (tested directly)
 
 __all__ = ["connect", "forget_files", "table_files", "run_config", "steps_index", "aggregate", "metric_series",
-           "latest", "metric_series_runs", "histogram", "rows", "copy_current", "token_cell_table", "ALERT_COLUMNS",
+           "latest", "metric_series_runs", "histogram", "rows", "token_cell_table", "ALERT_COLUMNS",
            "step_width", "aligned_bins", "aggregate_binned", "binned_sums", "derive_sums", "metric_series_binned",
            "metric_totals", "pool_shares",
            "lowprob_series", "routing_layer_series", "crossing_length", "alert_events", "firing_alerts",

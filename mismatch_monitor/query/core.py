@@ -27,8 +27,9 @@ from ..config import MetricConfig
 from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
 from ..metrics import METRIC_BY_KEY, derive
 from ..store import health
+from ..store.current import CURRENT, index_cte, table_files
 from ..store.runinfo import read_run_info
-from ..store.schema import LOG_TABLES, STEPS_TABLE
+from ..store.schema import STEPS_TABLE
 
 T = TypeVar("T")
 RunDir = str | Path
@@ -38,13 +39,6 @@ StepRange = tuple[int | None, int | None] | None
 def connect() -> duckdb.DuckDBPyConnection:
     """A fresh in-memory DuckDB connection (reads Parquet files; stores nothing)."""
     return duckdb.connect(database=":memory:")
-
-
-def table_files(run_dir: RunDir, table: str) -> list[str]:
-    """The files of ``table`` that can be served; unreadable or foreign ones are set aside (and
-    logged once: ``store/health.py``), so one bad file does not take the run's other steps."""
-    found = sorted(str(p) for p in (Path(run_dir) / table).glob("*.parquet"))
-    return [f for f in found if health.problem(f, table) is None]
 
 
 def current_files(run_dir: RunDir, table: str) -> dict[str, list[str]]:
@@ -91,13 +85,8 @@ def _retry(fn: Callable[[], T], attempts: int = 4) -> T:
     raise AssertionError("unreachable")
 
 
-# The one rule for which index row of a step is current: the latest flush (write_id), then the
-# latest file set (file_id: a compaction's copy).
-CURRENT = "QUALIFY row_number() OVER (PARTITION BY step ORDER BY write_id DESC, file_id DESC) = 1"
-
-
-def _index_cte() -> str:
-    return f"idx AS (SELECT step, file_id, wall_time FROM read_parquet($steps, union_by_name=true) {CURRENT})"
+# the store's rule for the current row of a step and its files (``store/current.py``)
+_index_cte = index_cte
 
 
 def _step_filter(steps: StepRange, params: dict[str, Any], alias: str = "t") -> list[str]:
@@ -329,23 +318,6 @@ def rows(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, *, steps: 
            f"FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id)"
            f"{where_sql}{order}{limit_sql}")
     return _retry(lambda: con.execute(sql, dict(params, **current_files(run_dir, table))).df())
-
-
-def copy_current(con: duckdb.DuckDBPyConnection, run_dir: RunDir, table: str, files: list[str],
-                 step_files: list[str]) -> pd.DataFrame:
-    """The current rows of ``table`` among ``files`` (as resolved by ``step_files``), all columns."""
-    if table == STEPS_TABLE:
-        sql = f"SELECT * FROM read_parquet($files, union_by_name=true) {CURRENT} ORDER BY step"
-        return con.execute(sql, {"files": files}).df()
-    if table in LOG_TABLES:   # logs, not per-step state: every row of a committed flush, once (the
-        # latest file of each write_id: an earlier compaction's copy or the original, not both)
-        sql = ("SELECT * EXCLUDE (latest_file) FROM (SELECT t.*, max(t.file_id) OVER (PARTITION BY t.write_id) "
-               "AS latest_file FROM read_parquet($files, union_by_name=true) t) WHERE file_id = latest_file "
-               "ORDER BY write_id, wall_time")
-        return con.execute(sql, {"files": files}).df()
-    sql = (f"WITH {_index_cte()} SELECT t.* FROM read_parquet($files, union_by_name=true) t "
-           "SEMI JOIN idx USING (step, file_id) ORDER BY t.step")
-    return con.execute(sql, {"files": files, "steps": step_files}).df()
 
 
 def token_cell_table(table: str) -> bool:

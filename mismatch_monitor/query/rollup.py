@@ -1,101 +1,25 @@
-"""Step-block rollups: a table's rows pre-merged per block of ``BLOCK`` steps and per grouping.
+"""Reading step-block rollups: which blocks of a binned read come from them, exactly.
 
-Every flush (and compaction) that writes ``RUN_DIR/<table>/part-<id>.parquet`` for a table of
-:data:`ROLLUP_TABLES` also writes ``RUN_DIR/rollups/<table>/part-<id>.parquet`` (same id, before
-the index): the same rows merged per (block, grouping) by each field's own rule (sum/max/min),
-so a rollup row means exactly what the cells it merges mean. A row holds ``block`` (the first
-step of its block), ``grouping`` (the dimensions it keeps, comma-joined; ``""`` for all), those
-dimensions (null where not kept), the table's extra keys (bin, bucket, layer), ``step_last`` (the
-last step among its cells) and the merged fields.
-
-A reader (:func:`plan`) takes a block from the rollups only when that is exact: every flush with
-a current step in the block wrote rollups, none of those flushes has a step in the block that a
-later flush re-logged (such a block is read from its cells), all its current steps lie in the
-requested range, and the whole block falls in one step bin. Everything else is read from cells.
-Runs written before rollups existed are read from cells throughout.
+The rollups are built and written by the store (``store/rollup.py``, which defines their layout:
+``BLOCK``, the groupings, the directories). A reader (:func:`plan`) takes a block from the
+rollups only when that is exact: every flush with a current step in the block wrote rollups,
+none of those flushes has a step in the block that a later flush re-logged (such a block is read
+from its cells), all its current steps lie in the requested range, and the whole block falls in
+one step bin. Everything else is read from cells. Runs written before rollups existed are read
+from cells throughout.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-import duckdb
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
-from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
-
-BLOCK = 16                      # steps per block; wide step bins are multiples of it (aligned_bins)
-ROLLUP_DIR = "rollups"
-ROLLUP_TABLES: tuple[str, ...] = ("tokens", "sequences", "abs_hist", "lowprob", "routing_layers")
-# groupings kept, finest last; a query grouped (or filtered) by a subset of one reads its rollups
-ROLLUP_DIMS: tuple[str, ...] = ("pool", LENGTH_KEY, TURN_KEY)
-GROUPINGS: tuple[tuple[str, ...], ...] = ((), ("pool",), (LENGTH_KEY,), (TURN_KEY,), ("pool", LENGTH_KEY),
-                                          ("pool", TURN_KEY))
-# the histogram has hundreds of bins per group: pool x length and pool x turn would cost more to
-# write than they save; those views read cells
-HIST_GROUPINGS = GROUPINGS[:4]
-
-
-def rollup_name(table: str) -> str:
-    """The rollups' directory (relative to the run directory) of ``table``."""
-    return f"{ROLLUP_DIR}/{table}"
-
-
-def grouping_name(dims: Sequence[str]) -> str:
-    return ",".join(dims)
-
-
-def groupings(table: str, columns: Sequence[str]) -> tuple[tuple[str, ...], ...]:
-    """The groupings written for ``table`` whose dimensions its rows carry."""
-    kept = HIST_GROUPINGS if table == "abs_hist" else GROUPINGS
-    have = set(columns)
-    return tuple(g for g in kept if set(g) <= have)
-
-
-_local = threading.local()
-
-
-def _connection() -> duckdb.DuckDBPyConnection:
-    """This thread's connection for building rollups (opening one costs more than a small build)."""
-    con = getattr(_local, "con", None)
-    if con is None:
-        con = _local.con = duckdb.connect(database=":memory:")
-        con.execute("SET threads=1")          # runs on the writer's flush thread, beside training
-    return con
-
-
-def build(table: str, cells: pa.Table) -> pa.Table | None:
-    """The rollup rows of one file's rows of ``table`` (None when it has no rows or no step)."""
-    columns = cells.column_names
-    if table not in ROLLUP_TABLES or not cells.num_rows or "step" not in columns:
-        return None
-    extra = list(TABLES[table][0])
-    sets = groupings(table, columns)
-    dims = [d for d in ROLLUP_DIMS if any(d in g for g in sets)]
-    rules = {c: r for c, r in merge_rules(table).items() if c in columns}
-    # GROUPING(dims) sets a bit for each dimension a set leaves out (first dimension: highest bit)
-    names = " ".join(f"WHEN {sum(1 << (len(dims) - 1 - i) for i, d in enumerate(dims) if d not in g)} "
-                     f"THEN '{grouping_name(g)}'" for g in sets)
-    gid = f"CASE GROUPING({', '.join(dims)}) {names} END" if dims else "''"
-    grouping_sets = ", ".join("(" + ", ".join(["block", *g, *extra]) + ")" for g in sets)
-    select = (["block", f"{gid} AS grouping"] + [f'"{d}"' for d in dims] + [f'"{c}"' for c in extra]
-              + ["max(step) AS step_last"] + [f'{rule}("{c}") AS "{c}"' for c, rule in rules.items()])
-    sql = (f"SELECT {', '.join(select)} FROM (SELECT *, step // {BLOCK} * {BLOCK} AS block FROM cells) "
-           f"GROUP BY GROUPING SETS ({grouping_sets}) ORDER BY grouping, block")
-    con = _connection()
-    con.register("cells", cells)
-    try:
-        out = con.sql(sql).to_arrow_table()
-    finally:
-        con.unregister("cells")
-    for i, f in enumerate(out.schema):       # sums of integers come back as HUGEINT (decimal)
-        if pa.types.is_decimal(f.type):
-            out = out.set_column(i, f.name, out.column(i).cast(pa.int64()))
-    return out
+from ..engine.fields import LENGTH_KEY, TOKEN_CELL_TABLES, TURN_KEY
+from ..store.rollup import BLOCK, ROLLUP_TABLES, grouping_name, groupings
+from ..store.rollup import rollup_name  # noqa: F401  (readers list a table's rollup files by it)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from .rollup import ROLLUP_TABLES, rollup_name
 from .schema import ALL_TABLES, SCHEMA_KEY, TABLE_KEY, file_id_of
 
 log = logging.getLogger("mismatch_monitor")
@@ -82,9 +83,7 @@ def mark_unreadable(path: str, reason: str) -> None:
 
 def table_dirs(run_dir: Path) -> list[str]:
     """The tables whose directories a run may hold, rollups included."""
-    from ..query import rollup          # the rollups' layout lives with their SQL
-
-    return list(ALL_TABLES) + [rollup.rollup_name(t) for t in rollup.ROLLUP_TABLES]
+    return list(ALL_TABLES) + [rollup_name(t) for t in ROLLUP_TABLES]
 
 
 def set_aside(run_dir: str | os.PathLike[str]) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..batch import STANDARD_DIMENSIONS
 from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY
 from ..exemplars import empty_exemplars
-from ..query import rollup
+from . import rollup
 from .schema import SCHEMA_KEY, SCHEMA_VERSION
 
 INTRO = f"""# Run directory schema (version {SCHEMA_VERSION})

@@ -34,7 +34,6 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 
 from ..config import MetricConfig, parameter_differences
 from ..engine.stats import MismatchStats
@@ -43,10 +42,11 @@ from .event_log import EVENTS_TABLE, OUTCOMES_TABLE, last_per_key, log_frame
 from .faults import Backoff, WriteFaults
 from .ids import IdSource
 from .pending import _APPEND, DeferredTables, FlushError, _Pending
+from .rollup import rollup_name, write_rollup
 from .runinfo import RUN_FILE, read_run_info
 from .runlock import RunLock
 from .schema import (DATA_TABLES, ERROR_COLUMNS, ERRORS_TABLE, LOG_TABLES, SCHEMA_VERSION, STEP_INDEX_COLUMNS,
-                     STEPS_TABLE, check_labels, file_name, stamp, to_arrow)
+                     STEPS_TABLE, check_labels, file_name, to_arrow)
 from .signals import DeferringLock, FlushTimer, SignalFlush
 
 
@@ -402,7 +402,7 @@ class RunWriter:
             # those of a process killed mid-flush)
             for table in (*DATA_TABLES, STEPS_TABLE):
                 remove_quietly(self.run_dir / table / file_name(write_id))
-                remove_quietly(self.run_dir / "rollups" / table / file_name(write_id))
+                remove_quietly(self.run_dir / rollup_name(table) / file_name(write_id))
             raise
 
     def _write_files(self, pending: _Pending, steps: list[dict[str, Any]], keep: set[int], write_id: int) -> int:
@@ -484,24 +484,6 @@ class RunWriter:
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-def write_rollup(run_dir: Path, table: str, cells: pa.Table, file_id: int) -> None:
-    """The step-block rollups of one data file (``query/rollup.py``), written beside it before the
-    index. They only speed reads up: when they cannot be built, the file's steps are read from
-    their cells, so the failure is logged and the flush goes on."""
-    from ..query import rollup  # the SQL lives in the query layer
-
-    if table not in rollup.ROLLUP_TABLES:
-        return
-    try:
-        out = rollup.build(table, cells)
-        if out is not None:
-            name = rollup.rollup_name(table)
-            out = out.append_column("file_id", pa.array(np.full(out.num_rows, file_id, dtype=np.int64)))
-            write_parquet_atomic(stamp(out, name), run_dir / name / file_name(file_id))
-    except Exception:  # noqa: BLE001 - see above: readers fall back to the cells
-        log.exception("could not write the %s rollups of file %d; its steps are read from cells", table, file_id)
 
 
 def close_and_log(writer: RunWriter) -> None:
