@@ -4,7 +4,7 @@ A fleet of a few dozen pools is shown pool by pool. A step with more pools (a bu
 request id in the pool label, or a fleet of thousands of workers) would otherwise make tens of
 thousands of report keys and Prometheus series per step. Beyond :attr:`LabelLimit.max_values`,
 the values with the most tokens keep their own slice and every other value is merged, exactly
-by each field's merge rule, into one ``%other`` slice (``report_keys.OTHER_TEXT``). The store
+by each field's merge rule, into one ``%other`` slice (``label_text.OTHER_TEXT``). The store
 is not affected: it keeps every value.
 """
 
@@ -18,7 +18,7 @@ import pandas as pd
 
 from .engine import MismatchStats
 from .metrics import METRIC_TABLES
-from .report_keys import OTHER_TEXT, label_text
+from .label_text import OTHER_TEXT, label_text
 
 DEFAULT_MAX_VALUES = 100
 

@@ -1,18 +1,8 @@
-"""Names of slices: label values as text, and the flat report keys built from them.
+"""Names of slices: the flat report keys built from label texts.
 
-Every label value (a string, or None where a batch gave no label) becomes a *label text*, one
-definition used by the flat report (``wandb.log`` keys) and by the Prometheus exporter's label
-values, so two different slices can never share a key or a series:
-
-* ``None`` is ``%null``; the empty string is ``%empty``; the merged remainder beyond the label
-  limit (``label_limits.py``) is ``%other``. A ``%`` followed by a lowercase letter is only ever
-  one of these markers.
-* any other string is itself, except that ``%``, ``/`` and characters that are not printable
-  (controls, line breaks, lone surrogates) are written as ``%XX`` per UTF-8 byte, in uppercase
-  hex: ``fp8`` stays ``fp8``, ``a/b`` is ``a%2Fb``, ``50%`` is ``50%25``, ``Grüße`` stays as is.
-
-So the text is never empty (Prometheus reads ``pool=""`` as "no label", i.e. the fleet series)
-and never contains ``/``, and :func:`parse_label_text` inverts it. Report keys:
+Every label value becomes a *label text* (``label_text.py``: ``%null``, ``%empty``, ``%other``,
+``%XX`` escapes; never empty, never a ``/``), one definition used by the flat report
+(``wandb.log`` keys) and by the Prometheus exporter's label values. Report keys:
 ``mismatch/k3_kl`` for the whole step, ``mismatch/pool=<label text>/k3_kl`` per pool; no metric
 key starts with ``mismatch/pool``, so the two forms never meet (:func:`parse_report_key`).
 """
@@ -20,70 +10,27 @@ key starts with ``mismatch/pool``, so the two forms never meet (:func:`parse_rep
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .config import MetricConfig
+from .label_limits import LabelLimit, rest_of, top_values
+from .label_text import EMPTY_TEXT, NULL_TEXT, OTHER_TEXT, label_text, parse_label_text  # noqa: F401 (re-exported)
 from .metrics import METRICS, GroupMetrics, report_by_label
 
 if TYPE_CHECKING:
     from .engine import MismatchStats
-    from .label_limits import LabelLimit
 
-NULL_TEXT = "%null"     # a label that was not given
-EMPTY_TEXT = "%empty"   # the empty string
-OTHER_TEXT = "%other"   # every label value beyond the limit, merged
 PREFIX = "mismatch/"
 MERGED_KEY = "mismatch/pools_merged"   # how many pool values went into %other at this step
-_MARKERS = {NULL_TEXT: None, EMPTY_TEXT: ""}
-_ESCAPE = re.compile(r"%([0-9A-F]{2})")
 if any(m.key.startswith(PREFIX + "pool") for m in METRICS) or MERGED_KEY in {m.key for m in METRICS}:
     raise AssertionError("a metric key starting with mismatch/pool would make report keys ambiguous")
 
 
 class CardinalityWarning(UserWarning):
     """More label values in a step than the configured limit: the rest are merged into ``%other``."""
-
-
-def _escape(ch: str) -> str:
-    if ch != "%" and ch != "/" and ch.isprintable():
-        return ch
-    return "".join(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
-
-
-def label_text(value: str | None) -> str:
-    """The label text of one label value (see the module docstring): injective, never empty."""
-    if value is None:
-        return NULL_TEXT
-    if value == "":
-        return EMPTY_TEXT
-    value = str(value)
-    if value.isprintable() and "%" not in value and "/" not in value:   # the common case, in C
-        return value
-    return "".join(_escape(ch) for ch in value)
-
-
-def parse_label_text(text: str) -> str | None:
-    """The label value a label text was made from; ValueError for ``%other`` or malformed text."""
-    if text in _MARKERS:
-        return _MARKERS[text]
-    if text == OTHER_TEXT:
-        raise ValueError("%other is the merged remainder of several label values, not one value")
-    if "/" in text or re.search(r"%(?![0-9A-F]{2})", text):
-        raise ValueError(f"not a label text: {text!r}")
-    raw = bytearray()
-    pos = 0
-    for m in _ESCAPE.finditer(text):
-        raw += text[pos:m.start()].encode("utf-8", "surrogatepass") + bytes([int(m.group(1), 16)])
-        pos = m.end()
-    raw += text[pos:].encode("utf-8", "surrogatepass")
-    value = raw.decode("utf-8", "surrogatepass")
-    if label_text(value) != text:   # e.g. an escape of a character that is written as itself
-        raise ValueError(f"not a label text: {text!r}")
-    return value
 
 
 def report_key(metric_key: str, pool_text: str | None = None) -> str:
@@ -123,8 +70,6 @@ def flatten_report(fleet: GroupMetrics, by_pool: GroupMetrics, stats: MismatchSt
     ``mismatch/pools_merged`` says how many, and a :class:`CardinalityWarning` is issued.
     ``config`` is the one the statistics were computed with (the histogram's accuracy).
     """
-    from .label_limits import LabelLimit, rest_of, top_values   # it imports this module
-
     limit = limit or LabelLimit()
     out: dict[str, float] = {}
     if len(fleet):
