@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from ..config import MetricConfig
+from .evaluation import Evaluation
+from .objective import Objective
 from .policy import PolicyShape
 from .pools import PoolSpec
 from .task import StringTask
@@ -38,6 +40,9 @@ class SimConfig:
         warmstart_steps, warmstart_batch, warmstart_learning_rate: supervised warm start.
         torch_threads: torch intra-op threads set when the simulation starts (None = leave as
             is). One thread is fastest for a model this small and makes runs bitwise repeatable.
+        objective: the RL objective (default: one policy-gradient step per batch; or PPO epochs,
+            token or sequence ratios, the trainer's or the sampler's log-probs as the old policy).
+        evaluation: the fixed-prompt fp32 evaluation reward (default: off).
     """
 
     seed: int = 0
@@ -55,6 +60,8 @@ class SimConfig:
     warmstart_batch: int = 64
     warmstart_learning_rate: float = 5e-3
     torch_threads: int | None = 1
+    objective: Objective = field(default_factory=Objective)
+    evaluation: Evaluation = field(default_factory=Evaluation)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pools", tuple(self.pools))
@@ -81,6 +88,12 @@ class SimConfig:
                 raise ValueError(f"expected integer {name} >= 0, got {getattr(self, name)!r}")
         if self.torch_threads is not None and not (isinstance(self.torch_threads, int) and self.torch_threads >= 1):
             raise ValueError(f"expected torch_threads None or an integer >= 1, got {self.torch_threads!r}")
+        for name, kind in (("objective", Objective), ("evaluation", Evaluation)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"expected an {kind.__name__} {name}, got {type(getattr(self, name)).__name__}")
+        if self.objective.old_logprobs == "sampler" and self.correction != "none":
+            raise ValueError(f"expected correction 'none' with old_logprobs='sampler' (the ratio pi/mu then "
+                             f"carries the whole mismatch; nothing is left to weight), got {self.correction!r}")
         vllm = [p.name for p in self.pools if p.backend == "vllm"]
         if vllm and self.policy.head_dim < 32:
             raise ValueError(f"expected policy.head_dim >= 32 with vLLM pools {vllm} (vLLM's CPU attention), "

@@ -23,6 +23,7 @@ Backend = Literal["torch", "vllm"]
 # formats a vLLM pool runs in on the CPU (see vllm_checkpoint.ENGINE_FORMAT)
 VLLM_PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4")
 VLLM_FAULTS: tuple[str, ...] = ("ignore_temperature", "stop_sync", "sync_no_reset", "wrong_weights")
+LM_HEADS: tuple[str, ...] = ("same", "fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4", "int3", "int2")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -66,7 +67,10 @@ class PoolSpec:
     Attributes:
         name: the ``pool`` label (letters, digits, ``_.-``).
         precision: format of the pool's weights (``numerics.PRECISIONS``).
-        lm_head: dtype of the LM head, ``same`` = the compute dtype of ``precision``.
+        lm_head: format of the LM head, ``same`` = the compute dtype of ``precision``; a dtype
+            (``fp32``/``fp16``/``bf16``) runs the head in it, a weight format (``fp8_e4m3``,
+            ``int8``, ``int4``, ``int3``, ``int2``) rounds the head's weights to it (one scale per row,
+            groups of 32 for INT) with bf16 arithmetic: its logit error grows with the logits.
         attention: attention kernel of the pool's engine (``sdpa`` or ``eager``).
         decode_batch: sequences per ``generate`` call (a different batch shape and padding than
             the trainer's); None = the whole pool in one call.
@@ -86,7 +90,7 @@ class PoolSpec:
 
     name: str
     precision: Precision = "bf16"
-    lm_head: Literal["same"] | Dtype = "same"
+    lm_head: Literal["same", "fp8_e4m3", "int8", "int4", "int3", "int2"] | Dtype = "same"
     attention: Attention = "sdpa"
     decode_batch: int | None = None
     lag: int = 0
@@ -106,8 +110,8 @@ class PoolSpec:
             raise ValueError(f"expected a pool name of letters, digits and _.-, got {self.name!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"expected a precision in {PRECISIONS}, got {self.precision!r}")
-        if self.lm_head not in ("same", "fp32", "fp16", "bf16"):
-            raise ValueError(f"expected lm_head in ('same', 'fp32', 'fp16', 'bf16'), got {self.lm_head!r}")
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"expected lm_head in {LM_HEADS}, got {self.lm_head!r}")
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"expected attention 'sdpa' or 'eager', got {self.attention!r}")
         if self.decode_batch is not None and not (isinstance(self.decode_batch, int) and self.decode_batch >= 1):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from .numerics import COMPUTE_DTYPE, TORCH_DTYPE, cast_lm_head, format_state
+from .numerics import COMPUTE_DTYPE, TORCH_DTYPE, cast_lm_head, format_state, quantise_weight
 from .policy import RouterTap, build_model
 from .pools import PoolSpec
 from .task import Episode
@@ -69,9 +69,12 @@ class PoolSampler:
             with torch.random.fork_rng(devices=[]):     # init values are overwritten below
                 self._model = build_model(config, COMPUTE_DTYPE[precision])
             if self.spec.lm_head != "same":
-                cast_lm_head(self._model, TORCH_DTYPE[self.spec.lm_head])
+                cast_lm_head(self._model, COMPUTE_DTYPE[self.spec.lm_head])
             self.precision = precision
-        self._model.load_state_dict(format_state(state, precision))
+        formatted = format_state(state, precision)
+        if self.spec.lm_head not in TORCH_DTYPE and self.spec.lm_head != "same":   # a quantised head
+            formatted["lm_head.weight"] = quantise_weight(formatted["lm_head.weight"], self.spec.lm_head)
+        self._model.load_state_dict(formatted)
         self.held_state = state      # the fp32 weights this pool was sent (kept for a format change)
         self.version = version
 

@@ -12,11 +12,17 @@ from types import MappingProxyType
 from typing import Callable, Literal, Mapping
 
 from .config import SimConfig
+from .evaluation import Evaluation
+from .objective import Objective
 from .policy import PolicyShape, Variant
 from .pools import FaultKind, FaultSpec, PoolSpec
 from .task import StringTask
 
-ScenarioName = Literal["stable_fleet", "fault_midrun", "collapse_no_correction", "vllm_fleet"]
+ScenarioName = Literal["stable_fleet", "fault_midrun", "collapse_no_correction", "vllm_fleet", "collapse_head"]
+# the four runs of collapse_head: the fault (a quantised LM head) with no correction, with TIS,
+# the same run without the fault, and the fault's fix (a sampler in the trainer's precision)
+CollapseArm = Literal["fault_none", "fault_tis", "no_fault", "matched"]
+COLLAPSE_ARMS: tuple[str, ...] = ("no_fault", "fault_none", "fault_tis", "matched")
 # vLLM's CPU attention needs head_dim >= 32; int4 groups need every linear input divisible by 32
 VLLM_POLICY = {"head_dim": 32}
 # a shared "system prompt" filling vLLM's first 32-token KV block (with BOS), so the prefix cache
@@ -72,6 +78,35 @@ def collapse_no_correction(*, steps: int = 200, variant: Variant = "dense", seed
     return SimConfig(seed=seed, pools=pools, policy=PolicyShape(variant=variant), correction="none")
 
 
+def collapse_head(*, steps: int = 300, variant: Variant = "dense", seed: int = 0, arm: CollapseArm = "fault_none",
+                  head: str = "int2", epochs: int = 4, ratio: str = "sequence", prompts: int = 8,
+                  learning_rate: float = 3e-4, alphabet: str = "abcdefghijklmnopqrst", min_length: int = 6,
+                  max_length: int = 16, turns: int = 1, eval_prompts: int = 32, eval_every: int = 10) -> SimConfig:
+    """One bf16 sampler pool whose LM head runs in ``head`` (the fault), trained by PPO with
+    ``epochs`` epochs per batch and ``ratio``-level ratios; ``arm`` picks the run:
+
+    * ``fault_none``: the engine's log-probs as the old policy, no correction (the shortcut);
+    * ``fault_tis``: the trainer's fp32 recompute as the old policy, truncated IS on pi_old / mu;
+    * ``no_fault``: as ``fault_none`` with the pool's head in bf16 like the rest of it;
+    * ``matched``: as ``fault_none`` with the pool in fp32, the trainer's precision.
+
+    Longer answers over a larger alphabet than the other scenarios; the fixed-prompt fp32
+    evaluation reward every ``eval_every`` steps.
+    """
+    if arm not in COLLAPSE_ARMS:
+        raise ValueError(f"expected arm in {COLLAPSE_ARMS}, got {arm!r}")
+    precision, lm_head = {"matched": ("fp32", "same"), "no_fault": ("bf16", "same")}.get(arm, ("bf16", head))
+    pool = PoolSpec("sampler", precision=precision, lm_head=lm_head, prompts=prompts,  # type: ignore[arg-type]
+                    hardware="sim-a100")
+    tis = arm == "fault_tis"
+    return SimConfig(seed=seed, pools=(pool,), policy=PolicyShape(variant=variant), alphabet=alphabet,
+                     task=StringTask(min_length=min_length, max_length=max_length, turns=turns),
+                     learning_rate=learning_rate, correction="tis" if tis else "none",
+                     objective=Objective(kind="ppo", epochs=epochs, ratio=ratio,  # type: ignore[arg-type]
+                                         old_logprobs="trainer" if tis else "sampler"),
+                     evaluation=Evaluation(prompts=eval_prompts, every=eval_every))
+
+
 def vllm_pools(*, kv_fp8: bool = False) -> tuple[PoolSpec, ...]:
     """Real in-process vLLM engines on the host CPU, one format each (``hardware="cpu"``: these
     numbers are measured, not reproduced): an fp32 control, fp16, bf16, online FP8 (W8A8), a bf16
@@ -105,6 +140,7 @@ SCENARIOS: Mapping[str, Callable[..., SimConfig]] = MappingProxyType({
     "fault_midrun": fault_midrun,
     "collapse_no_correction": collapse_no_correction,
     "vllm_fleet": vllm_fleet,
+    "collapse_head": collapse_head,
 })
 
 

@@ -24,6 +24,8 @@ import torch
 from ..batch import TokenBatch
 from .batching import Padded, pad_rollouts, token_batch, trainer_token_logprobs
 from .config import SimConfig
+from .evaluation import Evaluator
+from .objective import ppo_update
 from .policy import build_model, model_config
 from .pools import PoolSpec
 from .sampler import PoolSampler, Rollout
@@ -47,6 +49,8 @@ class SimStep:
         trainer_version: weights version the trainer scored with (= updates taken before).
         seconds: wall time of the step.
         seconds_sampling: the part of it spent syncing pools and generating.
+        eval_reward: fixed-prompt fp32 evaluation reward of the weights this step sampled with
+            (``SimConfig.evaluation``), None on steps without an evaluation.
     """
 
     step: int
@@ -59,6 +63,7 @@ class SimStep:
     trainer_version: int
     seconds: float
     seconds_sampling: float
+    eval_reward: float | None = None
 
 
 def _seed(*parts: int) -> int:
@@ -95,6 +100,8 @@ class Simulation:
         self.sync_events: list[dict[str, object]] = []
         self.probe_engine_info: dict[str, dict[str, object]] = {}
         self._resync: set[str] = set()
+        self.evaluator = (Evaluator(config.evaluation, config.task, config.alphabet, self._model_config, tok,
+                                    _seed(config.seed, 5)) if config.evaluation.prompts else None)
         for spec in config.pools:     # engines start now, so a run records what they really run
             if spec.backend == "vllm":
                 self.samplers[spec.name].load(self._initial_state, 0, spec.precision_at(0))
@@ -140,6 +147,10 @@ class Simulation:
         """Sync, sample, score and update once."""
         cfg, s, t0 = self.config, self._step, time.perf_counter()
         version = self.trainer.version
+        eval_reward = None
+        if self.evaluator is not None and cfg.evaluation.due(s):   # the weights this step samples with
+            eval_reward = self.evaluator.reward(self._history[-1][1], version, cfg.temperature)
+        t0 = time.perf_counter()      # the evaluation is not part of a training step's time
         self._sync(s, version)
         episode_gen = torch.Generator().manual_seed(_seed(cfg.seed, 2, s))
         rollouts, specs, episodes = [], [], []
@@ -159,14 +170,24 @@ class Simulation:
         # a token whose sampler log-prob is not finite (a broken engine) gets no gradient: one bad
         # pool must not turn the trainer's weights into NaN; the monitor counts those tokens
         train = mask & torch.isfinite(padded.sampler_logprobs)
-        token_adv = advantages.to(torch.float32).unsqueeze(1).expand_as(mask)[train]
-        loss, grad_norm = self.trainer.update(token_lp[train], padded.sampler_logprobs[train], token_adv)
+        if cfg.objective.kind == "ppo":
+            pools = {p.name: p for p in specs}
+
+            def rescore() -> torch.Tensor:
+                new = self.trainer.score(padded.ids, padded.attention_mask, cfg.temperature)[0]
+                return trainer_token_logprobs(new, padded, pools)[0]
+
+            loss, grad_norm = ppo_update(self.trainer, rescore, token_lp, padded.sampler_logprobs,
+                                         advantages.to(torch.float32), train, cfg.objective)
+        else:
+            token_adv = advantages.to(torch.float32).unsqueeze(1).expand_as(mask)[train]
+            loss, grad_norm = self.trainer.update(token_lp[train], padded.sampler_logprobs[train], token_adv)
         self._history.append((self.trainer.version, self.trainer.state()))
         self._step += 1
         by_pool = {name: float(rewards[rows].mean()) for name, rows in padded.pool_rows.items()}
         return SimStep(step=s, batch=batch, reward_mean=float(rewards.mean()), reward_by_pool=by_pool,
                        loss=loss, grad_norm=grad_norm, entropy=entropy, trainer_version=version,
-                       seconds=time.perf_counter() - t0, seconds_sampling=sampled - t0)
+                       seconds=time.perf_counter() - t0, seconds_sampling=sampled - t0, eval_reward=eval_reward)
 
     def probe(self, pools: Sequence[PoolSpec], episodes: Sequence[Episode], *, seed: int = 0) -> TokenBatch:
         """Every pool in ``pools`` answers the same ``episodes``; the trainer scores; no update.

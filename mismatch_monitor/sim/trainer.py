@@ -102,9 +102,15 @@ class Trainer:
         weights = correction_weights(trainer_logprobs.detach() - sampler_logprobs, self.correction,
                                      self.thresholds)
         loss = -(weights * advantages * trainer_logprobs).sum() / max(trainer_logprobs.numel(), 1)
+        grad_norm = self.optimise(loss)
+        self.version += 1
+        return float(loss.detach()), grad_norm
+
+    def optimise(self, loss: torch.Tensor) -> float:
+        """One optimiser step on ``loss`` (no version bump: a PPO batch takes several); returns
+        the gradient norm before clipping."""
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.optimizer.step()
-        self.version += 1
-        return float(loss.detach()), float(grad_norm)
+        return float(grad_norm)
