@@ -1,4 +1,5 @@
-"""The DuckDB query layer: every SQL statement of the project lives in this package, parameterised.
+"""The DuckDB query layer: every read of a run, parameterised (the store keeps the SQL it writes
+with: rollup building, compaction's copy of current rows, ``store/rollup.py`` and ``store/current.py``).
 
 Readers resolve each step to the file set that last wrote it (``steps`` index, highest
 ``write_id``, then highest ``file_id``), so restarts and compactions never show a step twice,

@@ -6,7 +6,7 @@ Order of operations, each step safe for a concurrent reader:
 2. write the compacted ``steps`` index (the steps now resolve to the compacted copy, whose rows
    are identical to the originals: a reader sees each step once, from either copy);
 3. delete the old index files, then the old data files and their rollups (a reader whose file
-   list went stale retries, see ``query._retry``).
+   list went stale retries, see the query layer's ``_retry``).
 The compacted files get rollups of their own (``rollup.py``), written with them in step 1;
 a run with nothing to merge gets the rollups its files lack (one written before rollups existed).
 Only files of flushes committed when compaction started are touched (a file's name carries its

@@ -1,6 +1,6 @@
 """Write and file ids that order a run's flushes: one more than the largest the run has used.
 
-Readers take, for each step, the row of the highest ``write_id`` (``query.CURRENT``), so a step
+Readers take, for each step, the row of the highest ``write_id`` (``current.CURRENT``), so a step
 logged again after a restart must get a higher id than every earlier flush. Ids used to come
 from the clock, and a host whose clock ran behind re-logged steps that lost to their old values.
 They now come from the run itself: the largest id any file name in the run carries (committed,

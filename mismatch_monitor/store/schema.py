@@ -47,7 +47,7 @@ ALL_TABLES: tuple[str, ...] = DATA_TABLES + (STEPS_TABLE,)
 
 STEP_COLUMNS = ("step", "write_id", "file_id")
 # columns the store and its readers add beside the labels: the step index's, the rollups'
-# (``query/rollup.py``), the writer's temporary append column, the exemplars' rank, the run of
+# (``rollup.py``), the writer's temporary append column, the exemplars' rank, the run of
 # a comparison across runs
 ROLLUP_COLUMNS = ("block", "grouping", "step_last")
 BOOKKEEPING_COLUMNS: tuple[str, ...] = (STEP_COLUMNS + ("wall_time",) + ROLLUP_COLUMNS
