@@ -10,13 +10,14 @@
 
 from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools
 from .counts import CountRise, TailRise
+from .jumps import StepJump
 from .pooled import MeanRise, PooledDrift
 from .promql import prom_quantile
 from .definitions import DEFAULT_RULES
-from .evaluator import AlertEvaluator, AlertEvent, ResyncPolicy
+from .evaluator import AlertEvaluator, AlertEvent, ResyncOutcome, ResyncPolicy
 from .render import render_rules
 from .rules import AlertRule
 
-__all__ = ["AlertEvaluator", "AlertEvent", "AlertRule", "DEFAULT_RULES", "ResyncPolicy", "render_rules",
+__all__ = ["AlertEvaluator", "AlertEvent", "AlertRule", "ResyncOutcome", "DEFAULT_RULES", "ResyncPolicy", "render_rules",
            "Compare", "GrowthOverBaseline", "MeanAwayFromZero", "OutlierAmongPools", "prom_quantile",
-           "CountRise", "TailRise", "MeanRise", "PooledDrift"]
+           "CountRise", "TailRise", "MeanRise", "PooledDrift", "StepJump"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .conditions import Compare, OutlierAmongPools
 from .counts import CountRise, TailRise
+from .jumps import StepJump
 from .pooled import MeanRise, PooledDrift
 from .rules import AlertRule
 
@@ -162,9 +163,25 @@ NON_FINITE = AlertRule(
              "pool's engine logs; never feed these tokens to the loss."),
 )
 
+STEP_JUMP = AlertRule(
+    name="MismatchStepJump",
+    condition=StepJump("mismatch/k3_kl", TOKENS, factor=10.0, floor=1e-4, min_tokens=200),
+    severity="critical",
+    resync=True,
+    fix="resync",
+    summary="k3 KL of pool {pool} jumped {value}x in one step",
+    description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its value at the step "
+                 "before (threshold {threshold}x): no history needed, so a weight sync or a resume that "
+                 "went wrong shows at the step after it, from step 1."),
+    runbook=("A one-step jump right after a weight sync or a resume is a sync that did not apply: weights "
+             "not loaded, the wrong version, a prefix cache that kept the old weights' KV. Resynchronise the "
+             "pool (on_resync); if the jump stays after the resync, the cause is numeric, not lag: check the "
+             "pool's precision and kernels."),
+)
+
 DEFAULT_RULES: tuple[AlertRule, ...] = (
     TAIL_GROWTH, KL_SPIKE, LOW_ESS, DRIFT, EXTREME_SHARE_RISE, ROUTING_FLIP_RISE, STALENESS_HIGH,
-    POOL_OUTLIER, NON_FINITE,
+    POOL_OUTLIER, NON_FINITE, STEP_JUMP,
 )
 
 # Opt-in, for setups that claim bitwise agreement (batch-invariant kernels, the same engine on

@@ -29,6 +29,7 @@ from .conditions import Scope, Snapshot
 from .counts import INACTIVE
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
+from .resync import NUMERIC_NOTE, ResyncOutcome, ResyncPolicy
 from .rules import AlertRule, Fix, Severity, check_rules
 
 # pools are named by their label text (report_keys.py), as the exporter labels their series, so
@@ -62,18 +63,6 @@ class AlertEvent:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class ResyncPolicy:
-    """When a firing resync alert asks for a resync: at most once per pool and step, and not
-    again within ``cooldown_steps`` steps of the previous request for that pool."""
-
-    cooldown_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0):
-            raise ValueError(f"expected integer cooldown_steps >= 0, got {self.cooldown_steps!r}")
-
-
 @dataclass
 class _Active:
     since: int
@@ -100,6 +89,9 @@ class AlertEvaluator:
         self._undecided_counts: dict[tuple[str, str | None], int] = {}
         self._undecided_now: list[tuple[str, str | None]] = []
         self._last_resync: dict[str | None, int] = {}
+        self._watching: dict[str | None, tuple[int, str]] = {}     # pool -> (request step, alert)
+        self._outcomes: list[ResyncOutcome] = []
+        self._ineffective: dict[str | None, ResyncOutcome] = {}
         self._last_step: int | None = None
 
     # ------------------------------------------------------------------ one step
@@ -133,12 +125,13 @@ class AlertEvaluator:
                 state.value = value
                 if not state.firing and step - state.since >= rule.for_steps:
                     state.firing = True
-                    resync = rule.resync and self._may_resync(pool, step, requested)
-                    events.append(self._event(rule, pool, "firing", step, wall_time, state, resync))
+                    resync = rule.resync and self._may_resync(rule, pool, step, requested)
+                    events.append(self._event(rule, pool, "firing", step, wall_time, state, resync, note=True))
             for (name, pool) in [k for k in self._active if k[0] == rule.name and k[1] not in holding]:
                 state = self._active.pop((name, pool))
                 if state.firing:
                     events.append(self._event(rule, pool, "resolved", step, wall_time, state, False))
+        self._check_resyncs(step)
         for scope, now in snapshots.items():
             derived = _with_derived(now, self.rules, scope, set(self._active))   # after this step
             self._history.push(scope, step, derived)  # type: ignore[arg-type]
@@ -181,21 +174,47 @@ class AlertEvaluator:
         """Per (alert, pool): how many observed steps were undecided, over the evaluator's life."""
         return dict(self._undecided_counts)
 
-    def _may_resync(self, pool: str | None, step: int, requested: set[str | None]) -> bool:
+    def _may_resync(self, rule: AlertRule, pool: str | None, step: int, requested: set[str | None]) -> bool:
         last = self._last_resync.get(pool)
-        if pool in requested or (last is not None and step - last < self.resync_policy.cooldown_steps):
+        # one request in flight per pool: a second alert asking while the first is watched adds nothing
+        if pool in requested or pool in self._ineffective or pool in self._watching or (
+                last is not None and step - last < self.resync_policy.cooldown_steps):
             return False
         requested.add(pool)
         self._last_resync[pool] = step
+        if self.resync_policy.watch_steps:
+            self._watching[pool] = (step, rule.name)
         return True
 
+    def _check_resyncs(self, step: int) -> None:
+        """Decide each watched request: its alert resolved (helped) or still fires past the watch."""
+        for pool, (requested_step, alert) in list(self._watching.items()):
+            state = self._active.get((alert, pool))
+            firing = state is not None and state.firing
+            if firing and step - requested_step < self.resync_policy.watch_steps:
+                continue
+            outcome = ResyncOutcome(pool, alert, requested_step, step, helped=not firing)
+            self._outcomes.append(outcome)
+            del self._watching[pool]
+            if not outcome.helped:
+                self._ineffective[pool] = outcome
+
+    def resync_outcomes(self) -> list[ResyncOutcome]:
+        """Every decided resync request, in order (benchmarks report whether each helped)."""
+        return list(self._outcomes)
+
     def _event(self, rule: AlertRule, pool: str | None, state: State, step: int, wall_time: float,
-               active: _Active, resync: bool) -> AlertEvent:
+               active: _Active, resync: bool, note: bool = False) -> AlertEvent:
+        description = rule.text("description", pool, active.value)
+        futile = self._ineffective.get(pool)
+        if note and rule.resync and state == "firing" and futile is not None:
+            description += NUMERIC_NOTE.format(pool=pool, step=futile.requested_step, alert=futile.alert,
+                                               watch=self.resync_policy.watch_steps)
         return AlertEvent(
             step=step, wall_time=float(wall_time), alert=rule.name, severity=rule.severity, pool=pool,
             state=state, value=active.value, threshold=rule.threshold,
             summary=rule.text("summary", pool, active.value),
-            description=rule.text("description", pool, active.value),
+            description=description,
             runbook=rule.text("runbook", pool, active.value), resync=resync, fix=rule.fix,
             since_step=active.since)
 

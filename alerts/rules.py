@@ -19,10 +19,11 @@ from typing import Literal
 
 from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools, Scope
 from .counts import CountRise, TailRise
+from .jumps import StepJump
 from .pooled import MeanRise, PooledDrift
 
 Condition = (Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools | CountRise | TailRise | MeanRise
-             | PooledDrift)
+             | PooledDrift | StepJump)
 
 Severity = Literal["info", "warning", "critical"]
 Fix = Literal["resync", "cap_per_pool", "discard_long_rollouts", "routing_replay", "fp32_head",

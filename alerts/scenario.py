@@ -53,6 +53,8 @@ class Incident:
 
 
 INCIDENTS: tuple[Incident, ...] = (
+    # a weight sync that fails at step 2: k3 jumps 20x from the first steps, before any baseline
+    Incident("MismatchStepJump", "fp8", "mismatch/k3_kl", 1.2e-2, range(2, 6)),
     Incident("MismatchDrift", "fp8", "mismatch/log_ratio/mean", -4e-3, range(10, 41)),
     Incident("MismatchRoutingFlipRise", "bf16", "mismatch/routing/flip_rate", 0.2, range(20, 24)),
     Incident("MismatchTailGrowth", "int4", "mismatch/abs_log_ratio/p99", 0.3, range(30, 36)),

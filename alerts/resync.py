@@ -1,0 +1,50 @@
+"""Resync only where it helps: the policy for resync requests and the record of what followed.
+
+A resync fixes policy lag (stale or unapplied weights); it cannot fix a numeric discrepancy (a
+precision, a kernel, an LM head). The evaluator watches each request: if the alert that asked
+has not resolved ``watch_steps`` steps later, the fault looks numeric and no resync is asked for
+that pool again; its later firings say so and name the fix that applies instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["NUMERIC_NOTE", "ResyncOutcome", "ResyncPolicy"]
+
+
+@dataclass(frozen=True)
+class ResyncPolicy:
+    """When a firing resync alert asks for a resync: at most once per pool and step, not while
+    an earlier request for the pool is still watched, and not again within ``cooldown_steps``
+    steps of the previous request for that pool. A request whose
+    alert has not resolved ``watch_steps`` steps later did not help: the fault looks numeric, not
+    lag, and no resync is asked for that pool again (its later firings say so and which fix
+    applies instead). ``watch_steps=0`` keeps asking."""
+
+    cooldown_steps: int = 0
+    watch_steps: int = 3
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cooldown_steps, int) and self.cooldown_steps >= 0):
+            raise ValueError(f"expected integer cooldown_steps >= 0, got {self.cooldown_steps!r}")
+        if not (isinstance(self.watch_steps, int) and self.watch_steps >= 0):
+            raise ValueError(f"expected integer watch_steps >= 0, got {self.watch_steps!r}")
+
+
+@dataclass(frozen=True)
+class ResyncOutcome:
+    """A resync request and what followed: ``helped`` when its alert resolved within the
+    policy's ``watch_steps`` (``checked_step``: the step that decided)."""
+
+    pool: str | None
+    alert: str
+    requested_step: int
+    checked_step: int
+    helped: bool
+
+
+NUMERIC_NOTE = (" A resync of {pool} at step {step} ({alert}) did not clear it within {watch} steps: the "
+                "fault looks numeric, not lag, so no further resync is asked for this pool. Fix it at the source "
+                "(FP32 LM head, matched precision, batch-invariant kernels) or correct it per pool (a tighter "
+                "cap) instead.")

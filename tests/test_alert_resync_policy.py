@@ -1,0 +1,41 @@
+"""Resync only where it helps: a resync whose alert does not clear within the watch stops the
+requests for that pool and says the fault looks numeric; one that clears keeps them. Runtime: 1 s."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from mismatch_monitor.alerts import AlertEvaluator, ResyncPolicy
+from mismatch_monitor.alerts.definitions import LOW_ESS
+
+
+def history(low: dict[str, set[int]], steps: int = 40) -> pd.DataFrame:
+    rows = [{"step": s, "pool": p, "mismatch/ess": 0.3 if s in bad else 0.95} for s in range(steps)
+            for p, bad in low.items()]
+    return pd.DataFrame(rows)
+
+
+def firings(events, pool):
+    return [(e.step, e.resync, "looks numeric" in e.description) for e in events
+            if e.pool == pool and e.state == "firing"]
+
+
+def test_a_resync_that_does_not_clear_the_alert_is_not_asked_again():
+    numeric = set(range(5, 20)) | set(range(30, 35))     # a precision fault: resyncs change nothing
+    lag = set(range(5, 7)) | set(range(30, 32))          # lag: the resync clears it at once
+    evaluator, events = AlertEvaluator.replay(history({"fp8": numeric, "async": lag}), rules=(LOW_ESS,))
+    assert firings(events, "fp8") == [(6, True, False), (31, False, True)]
+    assert firings(events, "async") == [(6, True, False), (31, True, False)]
+    outcomes = [(o.pool, o.requested_step, o.checked_step, o.helped) for o in evaluator.resync_outcomes()]
+    assert ("fp8", 6, 9, False) in outcomes and ("async", 6, 7, True) in outcomes
+    numeric_note = next(e.description for e in events if e.pool == "fp8" and e.step == 31)
+    assert "at step 6" in numeric_note and "FP32 LM head" in numeric_note
+
+
+def test_watch_steps_zero_keeps_asking():
+    numeric = set(range(5, 20)) | set(range(30, 35))
+    _, events = AlertEvaluator.replay(history({"fp8": numeric}), rules=(LOW_ESS,),
+                                      resync_policy=ResyncPolicy(watch_steps=0))
+    assert [e.resync for e in events if e.state == "firing"] == [True, True]
+    assert np.all(["looks numeric" not in e.description for e in events])
