@@ -42,6 +42,7 @@ from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # no
 from .distributed import DistributedReducer, distributed_world, launched_world
 from .errors import ErrorLog
 from .run_log import RunLog, check_event_call, check_outcomes_call
+from .versions import event_applied
 
 log = logging.getLogger("mismatch_monitor")
 
@@ -186,8 +187,9 @@ class MismatchCollector:
             index = checked_step(step)
             self.run_log.step_logged(index)
             batch = self._as_batch(batch, fields)
+            batch, not_applied = self.run_log.versions.correct(batch, index)
             stats, per_sequence = compute_stats_with_sequences(batch, self.config, workers=self.workers)
-            warnings = data_warnings(batch, stats)
+            warnings = not_applied + data_warnings(batch, stats)
             selected = select_exemplars(batch, self.exemplars_k, self.config, per_sequence)
             # the writer builds the exemplar tables when it flushes; a reducer gathers tables now
             exemplars = selected.frames() if self.reducer is not None else selected
@@ -236,14 +238,17 @@ class MismatchCollector:
 
     # ------------------------------------------------------------------ events and outcomes
     def log_event(self, kind: str, *, step: int | None = None, pool: str | None = None,
-                  version: int | None = None, message: str = "") -> None:
+                  version: int | None = None, message: str = "", applied: bool = True) -> None:
         """Record a ``"weight_sync"``, ``"resume"``, ``"resync"`` or ``"resync_request"`` in the
         run's ``events`` table. ``step``: the first step whose batches come after it (None: the
         step after the last one logged); ``pool``: None for every pool; ``version``: the weight
-        version now in place (``run_log.py`` says what raises and what is counted)."""
+        version now in place (``run_log.py`` says what raises and what is counted);
+        ``applied=False``: a push of ``version`` that did not land (``versions.py``: staleness is
+        then counted from the version last applied)."""
         check_event_call(kind, step, pool, version, message)   # a mistake in the call raises
+        event_applied(kind, applied)
         self.resolve_reducer()
-        self.run_log.event(kind, step, pool, version, message)
+        self.run_log.event(kind, step, pool, version, message, applied)
 
     def log_outcomes(self, step: int, values: Mapping[str, float], *, pool: str | None = None) -> None:
         """Record training outcomes of ``step`` (``{"reward": ..., "loss": ..., "grad_norm": ...,

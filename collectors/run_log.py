@@ -30,6 +30,7 @@ from mismatch_monitor.store import RunWriter
 from mismatch_monitor.store.event_log import EVENT_KINDS
 
 from .checks import MAX_STEP, checked_step
+from .versions import WeightVersions, not_applied_message
 
 # the collector's error sink: (what failed, the error, its step, wall time)
 Note = Callable[[str, BaseException, "int | None", float], None]
@@ -132,12 +133,16 @@ class RunLog:
         self._writer: RunWriter | None = None
         self._last_step: int | None = None
         self._resume: str | None = None           # a reopened run's resume, recorded at its first step
+        self.versions = WeightVersions()          # what the sync events say was applied (versions.py)
 
     def attach(self, writer: RunWriter) -> None:
         self._writer = writer
         restarts = len(writer.info.get("restarts", []))
         if restarts:
             self._resume = f"the run was reopened (restart {restarts} of its store)"
+            from mismatch_monitor.query.events import run_events
+
+            self.versions.replay(run_events(query.connect(), writer.run_dir))
 
     def step_logged(self, step: int) -> None:
         if self._resume is not None:
@@ -154,9 +159,11 @@ class RunLog:
         return 0 if self._last_step is None else self._last_step + 1
 
     def event(self, kind: str, step: int | None, pool: str | None, version: int | None,
-              message: str) -> dict[str, Any] | None:
+              message: str, applied: bool = True) -> dict[str, Any] | None:
         """Store one event (the call is checked); its row, None when it was bad data."""
         wall = self._clock()
+        if not applied:
+            message = not_applied_message(message)
         at = self.next_step() if step is None else step
         if kind == "resume":
             self._resume = None                   # the user said it: no second one
@@ -165,6 +172,8 @@ class RunLog:
         except BatchError as exc:
             self._bad(f"the {kind} event was not recorded", exc, None, wall)
             return None
+        if kind in ("weight_sync", "resync"):
+            self.versions.add(row["step"], pool, row["version"], applied)
         if self._writer is not None:
             self._writer.append_events([row])
         return row
