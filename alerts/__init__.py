@@ -18,6 +18,7 @@ from .evaluator import AlertEvaluator, AlertEvent, ResyncOutcome, ResyncPolicy
 from .render import render_rules
 from .rules import AlertRule
 
-__all__ = ["AlertEvaluator", "AlertEvent", "AlertRule", "ResyncOutcome", "DEFAULT_RULES", "ResyncPolicy", "render_rules",
+__all__ = ["AlertEvaluator", "AlertEvent", "AlertRule", "ResyncOutcome", "DEFAULT_RULES", "ResyncPolicy",
+           "render_rules",
            "Compare", "GrowthOverBaseline", "MeanAwayFromZero", "OutlierAmongPools", "prom_quantile",
            "CountRise", "TailRise", "MeanRise", "PooledDrift", "StepJump"]

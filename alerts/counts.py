@@ -107,7 +107,8 @@ class CountRise:
 
     def explain(self) -> str:
         return (f"events of `{self.rate}` x `{self.total}` > {self.factor:g} x the rate pooled over the "
-                f"{self.window_steps} steps before the last {GUARD_STEPS} (at least {self.min_points}; at least {self.min_rate:g}), Poisson z > "
+                f"{self.window_steps} steps before the last {GUARD_STEPS} (at least {self.min_points}; at least "
+                f"{self.min_rate:g}), Poisson z > "
                 f"{self.z:g}")
 
     def promql(self, scope: Scope, step_seconds: float) -> Expression:
@@ -244,7 +245,8 @@ class TailRise:
 
     def explain(self) -> str:
         return (f"`{self.p99}` > {self.factor:g} x its median over the {self.window_steps} steps before the "
-                f"last {GUARD_STEPS} (at least {self.min_points}) and > their largest `{self.p999}`, with the tokens above that edge "
+                f"last {GUARD_STEPS} (at least {self.min_points}) and > their largest `{self.p999}`, with the tokens "
+                f"above that edge "
                 f"significant against Binomial(n, 0.001) (Poisson z > {self.z:g})")
 
     def _names(self, scope: Scope) -> tuple[str, str, str]:

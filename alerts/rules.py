@@ -4,9 +4,10 @@ Texts are written once, as Python format strings. Placeholders: ``{pool}`` (the 
 fleet" for fleet rules) and ``{value}`` (the alert's current value, three significant digits)
 change per alert; ``{threshold}``, ``{held}`` (steps the condition must hold: ``for_steps + 1``),
 ``{window}``, ``{floor}``, ``{min_pools}``, ``{z}`` and ``{min_points}`` (where the condition has
-them) come from the rule itself, so a number is written once. The in-process evaluator fills them directly; the renderer turns the
-first two into Prometheus templates (``{{ $labels.pool }}``, ``{{ printf "%.3g" $value }}``), so
-an alert reads the same wherever it was evaluated.
+them) come from the rule itself, so a number is written once. The in-process evaluator fills
+them directly; the renderer turns the first two into Prometheus templates
+(``{{ $labels.pool }}``, ``{{ printf "%.3g" $value }}``), so an alert reads the same wherever it
+was evaluated.
 """
 
 from __future__ import annotations
