@@ -15,7 +15,7 @@ from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.engine import compute_stats
 from mismatch_monitor.exemplars import Exemplars, select_exemplars, tail_exemplars
 from mismatch_monitor.store import RunWriter
-from mismatch_monitor.store import writer as writer_module
+from mismatch_monitor.store import flush_files
 from mismatch_monitor.store.writer import FlushError
 
 from synthetic import make_batch
@@ -24,7 +24,7 @@ from synthetic import make_batch
 def _recording_writes(monkeypatch, fail_background: int = 0) -> list[tuple[str, str]]:
     """Record (thread name, file name) of every Parquet write; the first ``fail_background``
     writes made off the main thread raise instead (a full disk, say)."""
-    real = writer_module.write_parquet_atomic
+    real = flush_files.write_parquet_atomic
     calls: list[tuple[str, str]] = []
     failures = [fail_background]
 
@@ -36,7 +36,7 @@ def _recording_writes(monkeypatch, fail_background: int = 0) -> list[tuple[str, 
             raise OSError("No space left on device")
         real(table, path)
 
-    monkeypatch.setattr(writer_module, "write_parquet_atomic", write)
+    monkeypatch.setattr(flush_files, "write_parquet_atomic", write)
     return calls
 
 

@@ -242,16 +242,16 @@ if mode == "user-handler":
     signal.signal(signal.SIGTERM, mine)
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.collectors import MismatchCollector
-from mismatch_monitor.store import writer as writer_module
+from mismatch_monitor.store import flush_files
 from synthetic import make_batch
 if mode == "slow-flush":       # the background flush takes a while: the signal lands during it
-    real = writer_module.write_parquet_atomic
+    real = flush_files.write_parquet_atomic
     def slow(table, path):
         if threading.current_thread() is not threading.main_thread():
             open(run + ".flushing", "w").close()
             time.sleep(0.2)
         real(table, path)
-    writer_module.write_parquet_atomic = slow
+    flush_files.write_parquet_atomic = slow
 every = 10 if mode == "slow-flush" else 1000
 mc = MismatchCollector(run, config=MetricConfig(kernel="torch"), flush_every_steps=every,
                        flush_every_seconds=1e9, alert_evaluator=None)
@@ -297,15 +297,15 @@ import sys, time
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import compute_stats
 from mismatch_monitor.store import RunWriter
-from mismatch_monitor.store import writer as writer_module
+from mismatch_monitor.store import flush_files
 from synthetic import make_batch
 run = sys.argv[1]
-real = writer_module.write_parquet_atomic
+real = flush_files.write_parquet_atomic
 def slow(table, path):                 # the flush runs on the main thread: the signal lands in it
     open(run + ".flushing", "w").close()
     time.sleep(0.1)
     real(table, path)
-writer_module.write_parquet_atomic = slow
+flush_files.write_parquet_atomic = slow
 w = RunWriter(run, flush_every_steps=4, flush_every_seconds=1e9, background=False)
 stats = compute_stats(make_batch(0, sequences=6, max_len=12), MetricConfig(kernel="torch"))
 for step in range(6):

@@ -1,10 +1,11 @@
 """The run writer: buffered, atomic, append-only Parquet files for one run.
 
 Steps are buffered and flushed every ``flush_every_steps`` steps or ``flush_every_seconds``
-seconds (checked when a step arrives) and on close. A flush writes one file per data table and
-then the ``steps`` index file: a step is visible to readers only once the index lists it, so a
-crash mid-flush leaves orphan data files that readers ignore, and never a half-visible step.
-Reopening a run directory appends; a step logged again later wins (higher ``write_id``).
+seconds (checked when a step arrives) and on close. A flush (``flush_files.py``) writes one file
+per data table and then the ``steps`` index file: a step is visible to readers only once the
+index lists it, so a crash mid-flush leaves orphan data files that readers ignore, and never a
+half-visible step. Reopening a run directory appends (``runinfo.open_run_info``); a step logged
+again later wins (higher ``write_id``).
 
 The flushes that fall due while steps arrive run on one background thread (``background=True``,
 the default), so training does not wait for Parquet encoding and fsync; one flush is in flight
@@ -25,30 +26,26 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
 import pandas as pd
 
-from ..config import MetricConfig, parameter_differences
+from ..config import MetricConfig
 from ..engine.stats import MismatchStats
-from .atomic import remove_quietly, write_json_atomic, write_parquet_atomic
-from .event_log import EVENTS_TABLE, OUTCOMES_TABLE, last_per_key, log_frame
+from .atomic import write_json_atomic
+from .event_log import EVENTS_TABLE, OUTCOMES_TABLE, log_frame
 from .faults import Backoff, WriteFaults
+from .flush_files import write_flush
 from .ids import IdSource
-from .pending import _APPEND, DeferredTables, FlushError, _Pending
-from .rollup import rollup_name, write_rollup
-from .runinfo import RUN_FILE, read_run_info
+from .pending import DeferredTables, FlushError, _Pending
+from .runinfo import RUN_FILE, open_run_info
 from .runlock import RunLock
-from .schema import (DATA_TABLES, ERROR_COLUMNS, ERRORS_TABLE, LOG_TABLES, SCHEMA_VERSION, STEP_INDEX_COLUMNS,
-                     STEPS_TABLE, check_labels, file_name, to_arrow)
+from .schema import ERROR_COLUMNS, ERRORS_TABLE, LOG_TABLES, check_labels
 from .signals import DeferringLock, FlushTimer, SignalFlush
-
 
 # 100 steps amortise the per-file cost of a flush (one file per table, fsynced) when steps are
 # fast; 10 s (checked when a step arrives) bounds what waits in memory when they are slow. A crash
@@ -110,7 +107,8 @@ class RunWriter:
         self._run_lock = RunLock(self.run_dir)
         self._run_lock.acquire()                  # one writer per run directory
         try:
-            self.info = self._open_run_info(run_id, pools or {}, metadata or {})
+            self.info = open_run_info(self.run_dir, self.config, self._clock(), run_id, pools or {},
+                                      metadata or {})
         except BaseException:
             self._run_lock.release()
             raise
@@ -118,47 +116,6 @@ class RunWriter:
         self._signals = SignalFlush(self, self._lock, signal_flush_seconds) if handle_signals else None
 
     # ------------------------------------------------------------------ run.json
-    def _open_run_info(self, run_id: str | None, pools: Mapping[str, Mapping[str, Any]],
-                       metadata: Mapping[str, Any]) -> dict[str, Any]:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        now = self._clock()
-        existing = read_run_info(self.run_dir) if (self.run_dir / RUN_FILE).exists() else None
-        if existing is not None:
-            if run_id is not None and run_id != existing["run_id"]:
-                raise ValueError(
-                    f"run directory {self.run_dir} holds run {existing['run_id']!r}, got run_id={run_id!r}")
-            info = dict(existing)
-            info["restarts"] = list(info.get("restarts", [])) + [now]
-            info["closed_at"] = None
-            info["pools"] = {**info.get("pools", {}), **{k: dict(v) for k, v in pools.items()}}
-            info["metadata"] = {**info.get("metadata", {}), **dict(metadata)}
-            if info.get("config") != self.config.to_dict():
-                # readers take every step under run.json's one config: only how the engine ran may change
-                stored = MetricConfig.from_dict(info["config"]).stats_parameters()
-                differences = parameter_differences(stored, self.config.stats_parameters())
-                if differences:
-                    raise ValueError(
-                        f"run directory {self.run_dir} holds statistics computed under other MetricConfig "
-                        f"parameters (stored vs given: {'; '.join(differences)}); continue it with its own "
-                        "config (MetricConfig.from_dict(read_run_info(run_dir)['config'])) or start another run")
-                info.setdefault("config_history", []).append({"at": now, "config": info.get("config")})
-                info["config"] = self.config.to_dict()
-        else:
-            info = {
-                "schema_version": SCHEMA_VERSION,
-                "run_id": run_id or self.run_dir.name,
-                "started_at": now,
-                "closed_at": None,
-                "restarts": [],
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "config": self.config.to_dict(),
-                "pools": {k: dict(v) for k, v in pools.items()},
-                "metadata": dict(metadata),
-            }
-        write_json_atomic(info, self.run_dir / RUN_FILE)
-        return info
-
     def update_pools(self, pools: Mapping[str, Mapping[str, Any]]) -> None:
         with self._lock:
             self.info["pools"] = {**self.info["pools"], **{k: dict(v) for k, v in pools.items()}}
@@ -329,7 +286,7 @@ class RunWriter:
             if pending is None:
                 return done
             try:
-                written = self._write_pending(pending)
+                written = write_flush(self.run_dir, self._ids, pending)
             except BaseException as exc:
                 self._failed(pending, exc, report=not raise_errors)
                 if raise_errors:
@@ -388,53 +345,7 @@ class RunWriter:
 
     def _write_in_background(self, pending: _Pending) -> int:
         self._flush_thread = threading.get_ident()
-        return self._write_pending(pending)
-
-    def _write_pending(self, pending: _Pending) -> int:
-        """One flush: a file per data table, then the index (which makes the steps visible)."""
-        pending.build_deferred()
-        steps, keep = pending.latest()
-        write_id = self._ids.next()
-        try:
-            return self._write_files(pending, steps, keep, write_id)
-        except BaseException:
-            # a flush cut short leaves orphan data files: remove them now (compaction removes
-            # those of a process killed mid-flush)
-            for table in (*DATA_TABLES, STEPS_TABLE):
-                remove_quietly(self.run_dir / table / file_name(write_id))
-                remove_quietly(self.run_dir / rollup_name(table) / file_name(write_id))
-            raise
-
-    def _write_files(self, pending: _Pending, steps: list[dict[str, Any]], keep: set[int], write_id: int) -> int:
-        step_of = {append: row["step"] for row, append in zip(pending.steps, pending.appends)}
-        for table in DATA_TABLES:
-            entries = pending.buffer[table]
-            tagged = [(s, df) for s, append, df in entries if s is not None and append in keep]
-            parts = []
-            if tagged:                    # one frame per step: the step column is added once
-                df = pd.concat([f for _, f in tagged], ignore_index=True) if len(tagged) > 1 else tagged[0][1]
-                parts.append(df.assign(step=np.repeat([s for s, _ in tagged], [len(f) for _, f in tagged])))
-            for s, _, df in entries:
-                if s is not None:
-                    continue
-                if _APPEND in df.columns:  # built at flush time: rows of kept appends, their steps
-                    df = df[df[_APPEND].isin(keep)]
-                    df = df.assign(step=df[_APPEND].map(step_of).astype("int64")).drop(columns=_APPEND)
-                parts.append(df)          # (alert rows carry their own step)
-            parts = [p for p in parts if len(p)]
-            if not parts:
-                continue
-            df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
-            self._write(table, last_per_key(table, df), write_id)
-        index = pd.DataFrame(steps) if steps else pd.DataFrame(
-            {c: pd.Series([], dtype=t) for c, t in STEP_INDEX_COLUMNS.items()})   # errors only
-        self._write(STEPS_TABLE, index, write_id)   # last: makes the steps visible
-        return len(steps)
-
-    def _write(self, table: str, df: pd.DataFrame, write_id: int) -> None:
-        arrow = to_arrow(df.assign(write_id=write_id, file_id=write_id), table)
-        write_parquet_atomic(arrow, self.run_dir / table / file_name(write_id))
-        write_rollup(self.run_dir, table, arrow, write_id)
+        return write_flush(self.run_dir, self._ids, pending)
 
     def close(self, *, raise_errors: bool = True) -> None:
         """Write what is buffered, mark the run closed and release it. With ``raise_errors=False``
