@@ -85,6 +85,28 @@ class ESS:
 
 
 @dataclass(frozen=True)
+class Correlation:
+    """Pearson correlation of x and y from n and the sums of x, y, x^2, y^2, xy.
+
+    From sums the centred moments C_xx = sum x^2 - (sum x)^2 / n (and C_yy, C_xy) cancel: with
+    every sum rounded in float64 (u = 2^-53, any order of adding and merging), each is off by at
+    most about (3n + 4) u sqrt(sum x^2 sum y^2) (:func:`correlation_error_bound`), so the value is
+    within (3n + 4) u (sqrt(sum x^2 sum y^2 / (C_xx C_yy)) + (sum x^2 / C_xx + sum y^2 / C_yy) / 2)
+    of the exact one. NaN (null) below two observations, and where C_xx or C_yy is not above
+    twice its rounding bound: the sums do not resolve any variance there (all values equal, to
+    rounding), and a correlation would be noise."""
+    sum_x: str
+    sum_y: str
+    sum_xx: str
+    sum_yy: str
+    sum_xy: str
+    n: str
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.sum_x, self.sum_y, self.sum_xx, self.sum_yy, self.sum_xy, self.n)
+
+
+@dataclass(frozen=True)
 class Quantile:
     """The ``q`` quantile of the histogram table the metric reads (nearest rank, clamped to the
     exact maximum ``clamp``); evaluated from histogram rows, not from summed columns."""
@@ -95,7 +117,9 @@ class Quantile:
         return ("count",)
 
 
-Formula = Union[Value, Ratio, Variance, StdError, ESS, Quantile]
+Formula = Union[Value, Ratio, Variance, StdError, ESS, Correlation, Quantile]
+
+UNIT_ROUNDOFF = 2.0 ** -53
 
 
 def _variance(s: np.ndarray, s2: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -112,6 +136,34 @@ def _ess(sum_w: np.ndarray, sum_w2: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.where(np.isinf(sum_w2) & (n > 0), 1.0 / np.where(n > 0, n, 1.0), ess)
 
 
+def _centred(sx: np.ndarray, sy: np.ndarray, sxy: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """sum xy - sum x sum y / n (NaN where n = 0)."""
+    return sxy - sx * divide(sy, n)
+
+
+def correlation_error_bound(sx: object, sy: object, sxx: object, syy: object, sxy: object, n: object
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(bound on the error of C_xx, of C_yy, of the correlation) from float64 sums of n terms
+    (first order in u; see :class:`Correlation`)."""
+    sx, sy, sxx, syy, sxy, n = map(f64, (sx, sy, sxx, syy, sxy, n))
+    grow = (3.0 * n + 4.0) * UNIT_ROUNDOFF
+    cxx, cyy = _centred(sx, sx, sxx, n), _centred(sy, sy, syy, n)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r_bound = grow * (np.sqrt(sxx * syy / (cxx * cyy)) + 0.5 * (sxx / cxx + syy / cyy))
+    return grow * sxx, grow * syy, r_bound
+
+
+def _correlation(sx: np.ndarray, sy: np.ndarray, sxx: np.ndarray, syy: np.ndarray, sxy: np.ndarray,
+                 n: np.ndarray) -> np.ndarray:
+    cxx, cyy, cxy = _centred(sx, sx, sxx, n), _centred(sy, sy, syy, n), _centred(sx, sy, sxy, n)
+    exx, eyy, _ = correlation_error_bound(sx, sy, sxx, syy, sxy, n)
+    resolved = (n >= 2) & (cxx > 2.0 * exx) & (cyy > 2.0 * eyy)     # NaN compares False
+    out = np.full(np.broadcast_shapes(cxy.shape, n.shape), np.nan)
+    with np.errstate(invalid="ignore"):
+        np.divide(cxy, np.sqrt(np.where(resolved, cxx * cyy, 1.0)), out=out, where=resolved)
+    return np.clip(out, -1.0, 1.0)            # rounding can step past |r| = 1; NaN stays NaN
+
+
 def evaluate(formula: Formula, cols: Columns) -> np.ndarray:
     """The formula's value per group of the merged columns ``cols`` ({field: [G]})."""
     args = [f64(cols[f]) for f in formula.fields()]
@@ -126,6 +178,8 @@ def evaluate(formula: Formula, cols: Columns) -> np.ndarray:
         return np.sqrt(divide(_variance(*args), args[2]))
     if isinstance(formula, ESS):
         return _ess(*args)
+    if isinstance(formula, Correlation):
+        return _correlation(*args)
     raise TypeError(f"{type(formula).__name__} is evaluated from histogram rows, not summed columns")
 
 

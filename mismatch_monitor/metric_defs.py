@@ -14,7 +14,7 @@ from typing import Literal
 
 from .engine.fields import TABLES
 from .engine.histogram import QUANTILES
-from .formulas import ESS, Formula, Quantile, Ratio, StdError, Value, Variance
+from .formulas import ESS, Correlation, Formula, Quantile, Ratio, StdError, Value, Variance
 
 # "share": a fraction of tokens or sequences in [0, 1]; "ratio": a dimensionless ratio that is
 # not a share (ESS, chi^2, multiplicative error); "log-ratio": in units of lr = log pi - log mu
@@ -81,6 +81,19 @@ METRICS: tuple[Metric, ...] = (
     _t("mismatch/abs_log_ratio/max", "log-ratio", "max |lr|", "largest |lr| (exact)", Value("max_abs_lr")),
     _t("mismatch/mult_prob_error", "ratio", "mult. prob. error", "mean exp(|lr|) >= 1 (NeMo-RL token_mult_prob_error)",
        Ratio("sum_exp_abs_lr", N)),
+    _t("mismatch/abs_prob_diff/mean", "ratio", "mean |Δp|", "mean |p_T - p_S| over tokens, p = exp(log-prob) of "
+       "the sampled token (verl rollout_probs_diff_mean), each as p_S |expm1(lr)|: no cancellation",
+       Ratio("sum_abs_dp", N)),
+    _t("mismatch/abs_prob_diff/max", "ratio", "max |Δp|", "largest |p_T - p_S| (verl rollout_probs_diff_max)",
+       Value("max_abs_dp")),
+    _t("mismatch/prob_pearson_corr", "ratio", "Pearson r(p_T, p_S)",
+       "Pearson correlation of p_T and p_S over tokens (verl rollout_actor_probs_pearson_corr), from sums of "
+       "p, p^2 and p_T p_S; rounding: within (3n + 4) 2^-53 (sqrt(sum p_T^2 sum p_S^2 / (C_TT C_SS)) + "
+       "(sum p_T^2 / C_TT + sum p_S^2 / C_SS) / 2) of the exact value, C_TT = sum p_T^2 - (sum p_T)^2 / n "
+       "(worst case over any summation and merge order; about 1e-10 at 10^5 tokens spread over [0, 1]); "
+       "null below two tokens or where the sums resolve no variance (C below twice its rounding bound)",
+       Correlation("sum_p_trainer", "sum_p_sampler", "sum_p_trainer2", "sum_p_sampler2", "sum_p_cross", N),
+       format=".6f"),
     _t("mismatch/rho/mean", "ratio", "mean ρ", "mean rho = mean exp(lr) (verl rollout_is_mean); 1 in expectation "
        "when mu covers pi", Ratio("sum_rho", N)),
     _t("mismatch/chi2", "ratio", "chi^2", ("mean(rho^2) - 1: unbiased estimate of the chi-square divergence "

@@ -332,6 +332,7 @@ def reference_tables(case: Case, config: MetricConfig) -> dict[str, pd.DataFrame
         rho = np.exp(lr)
         rc = np.minimum(rho, C)
         n = len(lr)
+        p_t, p_s = np.exp(v["t"].to_numpy()), np.exp(v["s"].to_numpy())   # differences taken as they are
         row = dict(base, n_tokens=n, n_nonfinite=int(g["nonfinite"].sum()),
                    n_positive_logprob=int(g["positive"].sum()),
                    n_lr_zero=int((v["t"].to_numpy() == v["s"].to_numpy()).sum()),
@@ -343,6 +344,9 @@ def reference_tables(case: Case, config: MetricConfig) -> dict[str, pd.DataFrame
                    n_outside_icepop=int(((rho <= lo_i) | (rho > hi_i)).sum()),
                    n_extreme=int(((rho <= lo_x) | (rho > hi_x)).sum()),
                    n_outside_ppo_clip=int(((rho <= 1.0 - config.ppo_clip_eps) | (rho > 1.0 + config.ppo_clip_eps)).sum()),
+                   sum_p_trainer=p_t.sum(), sum_p_sampler=p_s.sum(), sum_p_trainer2=(p_t ** 2).sum(),
+                   sum_p_sampler2=(p_s ** 2).sum(), sum_p_cross=(p_t * p_s).sum(),
+                   sum_abs_dp=np.abs(p_t - p_s).sum(), max_abs_dp=np.abs(p_t - p_s).max() if n else np.nan,
                    min_lr=lr.min() if n else np.nan, max_lr=lr.max() if n else np.nan,
                    max_abs_lr=np.abs(lr).max() if n else np.nan)
         routed = case.trainer_experts is not None
@@ -473,6 +477,7 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
             "mismatch/abs_log_ratio/max": srt[-1] if n else nan,
             "mismatch/mult_prob_error": mean(np.exp(np.abs(lr))),
             "mismatch/rho/mean": mean(np.exp(lr)),
+            **reference_probability_metrics(valid["t"].to_numpy(), valid["s"].to_numpy()),
             "mismatch/chi2": mean(np.exp(2 * lr)) - 1 if n else nan,
             "mismatch/ess": 1.0 / (n * np.sum(w ** 2)) if n else nan,
             "mismatch/ess_capped": 1.0 / (n * np.sum(wc ** 2)) if n else nan,
@@ -503,6 +508,16 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
         row.update(_reference_seq_metrics(case, config, seqs, by, key))
         out.append(row)
     return pd.DataFrame(out)
+
+
+def reference_probability_metrics(t: np.ndarray, s: np.ndarray) -> dict[str, float]:
+    """|p_T - p_S| as a plain difference of exps, and np.corrcoef on the probabilities."""
+    p_t, p_s = np.exp(t), np.exp(s)
+    n = len(p_t)
+    defined = n > 1 and np.var(p_t) > 0 and np.var(p_s) > 0
+    return {"mismatch/abs_prob_diff/mean": float(np.mean(np.abs(p_t - p_s))) if n else np.nan,
+            "mismatch/abs_prob_diff/max": float(np.max(np.abs(p_t - p_s))) if n else np.nan,
+            "mismatch/prob_pearson_corr": float(np.corrcoef(p_t, p_s)[0, 1]) if defined else np.nan}
 
 
 def _reference_seq_metrics(case: Case, config: MetricConfig, seqs: pd.DataFrame, by: Sequence[str],

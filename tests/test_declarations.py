@@ -19,7 +19,8 @@ from reference import make_case
 
 CONFIG = MetricConfig(chunk_tokens=1024)
 NEW = ("mismatch/rho/mean", "mismatch/seq/log_ratio/variance", "mismatch/exact_agreement",
-       "mismatch/ppo_clip_fraction")
+       "mismatch/ppo_clip_fraction", "mismatch/abs_prob_diff/mean", "mismatch/abs_prob_diff/max",
+       "mismatch/prob_pearson_corr")
 
 
 @pytest.mark.parametrize("metric", METRICS + VIEW_METRICS, ids=lambda m: m.key)

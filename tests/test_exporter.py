@@ -79,6 +79,14 @@ def test_gauges_match_the_reference_per_pool_hardware_and_fleet():
         assert value(reg, "mismatch_rho_mean_ratio", **labels) == pytest.approx(rho.mean(), rel=1e-12)
         assert value(reg, "mismatch_exact_agreement_ratio", **labels) == np.mean(x == 0) > 0
         assert value(reg, "mismatch_ppo_clip_ratio", **labels) == pytest.approx(np.mean((rho <= 0.8) | (rho > 1.2)))
+        p_t = np.exp(batch.trainer_logprobs.view(len(POOLS), -1).numpy()[rows].ravel())
+        p_s = np.exp(batch.sampler_logprobs.view(len(POOLS), -1).numpy()[rows].ravel())
+        assert value(reg, "mismatch_abs_prob_diff_mean_ratio", **labels) == pytest.approx(
+            np.mean(np.abs(p_t - p_s)), rel=1e-9)
+        assert value(reg, "mismatch_abs_prob_diff_max_ratio", **labels) == pytest.approx(
+            np.max(np.abs(p_t - p_s)), rel=1e-9)
+        assert value(reg, "mismatch_prob_pearson_corr_ratio", **labels) == pytest.approx(
+            np.corrcoef(p_t, p_s)[0, 1], abs=1e-10)
         seq_sums = lr[rows].sum(1)                     # one sequence per row
         if len(seq_sums) > 1:                          # one sequence has no variance
             assert value(reg, "mismatch_seq_log_ratio_variance", **labels) == pytest.approx(

@@ -19,7 +19,7 @@
 
 /* The layout of the structs native.py passes in; a library built from another version of this
  * file answers another number, and native.py refuses to call it (no call with a stale layout). */
-#define MM_ABI_VERSION 3
+#define MM_ABI_VERSION 4
 
 int64_t mm_abi_version(void) { return MM_ABI_VERSION; }
 
@@ -53,6 +53,7 @@ typedef struct {
     const double *series;           /* [N_SERIES] 1/2!, 1/3!, ...: rho - 1 - lr = lr^2 sum c_i lr^i */
     int64_t n_series;
     int64_t n_seq;                  /* sequences: seq ids lie in [0, n_seq) */
+    int64_t n_cells;                /* token cells + the dump cell: the row length of Out.p_sums */
 } TokenParams;
 
 #define N_SERIES 9
@@ -76,6 +77,7 @@ typedef struct {
     double t[BLOCK], s[BLOCK];
     V4 v[BLOCK];              /* 1, lr, k3, rho^2 */
     double lr[BLOCK], lr_mm[BLOCK], e_abs[BLOCK];
+    double ps[BLOCK], dp[BLOCK];  /* p_S = exp(s) and p_T - p_S = p_S (rho - 1) */
     int64_t seq[BLOCK];       /* sequence */
     int64_t sc[BLOCK];        /* sequence cell */
     int64_t tb[BLOCK];        /* turn index, then turn bucket */
@@ -185,6 +187,31 @@ static inline __attribute__((always_inline)) int fill_block(const TokenParams *p
     return !bad;
 }
 
+/* exp(x) for a log-prob x <= tol (a few ulp from libm's exp; 0 below -746), branch-free so that it
+ * vectorizes: x = k ln 2 + r (Cody-Waite, |r| <= ln 2 / 2), exp(r) from its Taylor series to
+ * r^13 / 13! (the first term left out is below 4e-18 relative), times 2^k built from the exponent
+ * bits in two halves (each a normal double, so 2^k down to the subnormals rounds only once). */
+static inline __attribute__((always_inline)) double exp_logprob(double x) {
+    const double lo = -746.0, xc = x < lo ? lo : (x > 1.0 ? 1.0 : x);
+    /* adding 1.5 * 2^52 rounds to an integer k held in the low mantissa bits: read as bits, not
+     * converted (AVX2 has no double -> int64 conversion, which would keep the loop scalar) */
+    const double shifter = 0x1.8p52;
+    union { double d; int64_t i; } big = {xc * 0x1.71547652b82fep0 + shifter}, base = {shifter};
+    const double kd = big.d - shifter;
+    const double r = (xc - kd * 0x1.62e42fee00000p-1) - kd * 0x1.a39ef35793c76p-33;
+    double q = 1.0 / 6227020800.0;                  /* 1/13! */
+    static const double inv[12] = {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
+                                   1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0,
+                                   1.0 / 6.0, 0.5, 1.0};
+    for (int j = 0; j < 12; j++) q = q * r + inv[j];
+    q = q * r + 1.0;
+    /* k in [-1077, 2]: halved as a positive number (logical shifts only, as AVX2 has) */
+    const int64_t k = big.i - base.i, k1 = (int64_t)((uint64_t)(k + 2048) >> 1) - 1024, k2 = k - k1;
+    union { uint64_t u; double d; } s1 = {(uint64_t)(k1 + 1023) << 52}, s2 = {(uint64_t)(k2 + 1023) << 52};
+    const double e = (q * s1.d) * s2.d;
+    return x < lo ? 0.0 : e;
+}
+
 /* Straight-line loops over a block of m tokens, written for the compiler to vectorize. Rare
  * tokens are left to the scalar stage (see Block). Returns 0 when a turn index is negative. */
 static inline int block_values(const TokenParams *p, int64_t m, Block *b, int has_turn,
@@ -209,6 +236,9 @@ static inline int block_values(const TokenParams *p, int64_t m, Block *b, int ha
         b->lr[i] = masked(lr, keep);
         b->lr_mm[i] = masked(lr, keep) + masked(NAN, ~keep);
         b->e_abs[i] = masked(e_abs, keep);
+        const double ps = exp_logprob(s);
+        b->ps[i] = masked(ps, keep);
+        b->dp[i] = masked(ps * (lr + k3), keep);  /* rho - 1 = lr + k3: no cancellation of p_T - p_S */
         b->rare[i] = rare;
         b->jb[i] = lr > 0;
     }
@@ -240,7 +270,20 @@ typedef struct {
     int32_t *abs_hist;
     int64_t *n_nonfinite, *n_positive, *seq_invalid;
     int64_t *n_lr_zero;       /* [cells] valid tokens with lr == 0 exactly */
+    double *p_sums;           /* [N_PSUMS][cells] sums of probability-space terms (P_* below) */
+    double *max_abs_dp;       /* [cells] largest |p_T - p_S| */
 } Out;
+
+/* Rows of Out.p_sums (native.PSUM_ROWS): p_S, p_T - p_S, p_S^2, p_S (p_T - p_S), (p_T - p_S)^2,
+ * |p_T - p_S|; the tables derive sum p_T, p_T^2 and p_T p_S from them exactly. */
+#define N_PSUMS 6
+
+/* The probability-space terms of one token (p_S, and rho - 1 = p_T / p_S - 1) into a cell. */
+static inline void add_psums(const Out *out, int64_t n_cells, int64_t cell, double ps, double rho_m1) {
+    const double dp = ps * rho_m1, terms[N_PSUMS] = {ps, dp, ps * ps, ps * dp, dp * dp, fabs(dp)};
+    for (int j = 0; j < N_PSUMS; j++) out->p_sums[j * n_cells + cell] += terms[j];
+    if (fabs(dp) > out->max_abs_dp[cell]) out->max_abs_dp[cell] = fabs(dp);
+}
 
 /* A rare token, straight into the caller's arrays (exactly: expm1 and exp beyond the series,
  * its region by search beyond the central ones); its place in the block becomes the dump. */
@@ -285,6 +328,7 @@ static int64_t add_rare(const TokenParams *p, const Out *out, Block *b, int64_t 
     out->joint_rho2[j] += rho2;
     out->joint_lr2[first] += lr * lr;          /* read per cell only: on its first bin */
     out->joint_exp_abs[first] += e_abs;
+    add_psums(out, p->n_cells, cell, exp(sv), lr + k3);
     if (lr < out->min_lr[cell]) out->min_lr[cell] = lr;
     if (lr > out->max_lr[cell]) out->max_lr[cell] = lr;
     out->seq_sum_lr[sq] += lr;
@@ -302,6 +346,8 @@ typedef struct {
     V4 *joint;                /* [n_turn][COPIES][2 NL] */
     int32_t *hist;            /* [n_turn][NB + 1] */
     double *lr2, *e_abs, *min_lr, *max_lr;    /* [n_turn] each */
+    double *psum;             /* [n_turn][N_PSUMS] */
+    double *max_adp;          /* [n_turn] */
     int64_t *lo, *hi;
     int64_t *n_zero;          /* [n_turn] tokens with lr == 0 */
     int64_t *used;            /* turn buckets with tokens, in first-use order */
@@ -309,7 +355,8 @@ typedef struct {
 } Local;
 
 static void reset_bucket(Local *L, int64_t tb, int64_t NB) {
-    L->lr2[tb] = L->e_abs[tb] = 0.0;
+    L->lr2[tb] = L->e_abs[tb] = L->max_adp[tb] = 0.0;
+    for (int j = 0; j < N_PSUMS; j++) L->psum[tb * N_PSUMS + j] = 0.0;
     L->min_lr[tb] = INFINITY;
     L->max_lr[tb] = -INFINITY;
     L->lo[tb] = NB;
@@ -335,6 +382,8 @@ static void end_cell(const Out *out, const TokenParams *p, int64_t sc, Local *L)
         out->joint_lr2[first] += L->lr2[tb];       /* read per cell only: on its first bin */
         out->joint_exp_abs[first] += L->e_abs[tb];
         out->n_lr_zero[cell] += L->n_zero[tb];
+        for (int j = 0; j < N_PSUMS; j++) out->p_sums[j * p->n_cells + cell] += L->psum[tb * N_PSUMS + j];
+        if (L->max_adp[tb] > out->max_abs_dp[cell]) out->max_abs_dp[cell] = L->max_adp[tb];
         V4 *local = L->joint + tb * COPIES * nc;
         for (int64_t j = 0; j < nc; j++) {
             V4 sum = local[j];
@@ -425,6 +474,47 @@ static inline __attribute__((always_inline)) Run run_sums(const Block *restrict 
     return out;
 }
 
+/* The probability-space sums of a run [k, r) in four lanes, added into sums[N_PSUMS]; its largest
+ * |p_T - p_S| returned. A loop of its own: in run_sums' loop their accumulators would not fit the
+ * registers. Rare tokens hold 0 here and add nothing. */
+static inline __attribute__((always_inline)) double run_psums(const Block *restrict b, int64_t k, int64_t r,
+                                                              double *restrict sums) {
+    V4 s_ps = {0}, s_dp = {0}, s_ps2 = {0}, s_psdp = {0}, s_dp2 = {0}, s_adp = {0}, mx = {0};
+    int64_t i = k;
+    for (; i + 4 <= r; i += 4) {
+        V4 ps, dp;
+        memcpy(&ps, b->ps + i, sizeof ps);
+        memcpy(&dp, b->dp + i, sizeof dp);
+        const V4 adp = pick((V4I)(dp < 0.0), -dp, dp);
+        s_ps += ps;
+        s_dp += dp;
+        s_ps2 += ps * ps;
+        s_psdp += ps * dp;
+        s_dp2 += dp * dp;
+        s_adp += adp;
+        mx = pick((V4I)(adp > mx), adp, mx);
+    }
+    const V4 *lanes[N_PSUMS] = {&s_ps, &s_dp, &s_ps2, &s_psdp, &s_dp2, &s_adp};
+    for (int j = 0; j < N_PSUMS; j++) {
+        const V4 v = *lanes[j];
+        sums[j] += (v[0] + v[1]) + (v[2] + v[3]);
+    }
+    double m = mx[0] > mx[1] ? mx[0] : mx[1];
+    m = mx[2] > m ? mx[2] : m;
+    m = mx[3] > m ? mx[3] : m;
+    for (; i < r; i++) {
+        const double ps = b->ps[i], dp = b->dp[i], adp = fabs(dp);
+        sums[0] += ps;
+        sums[1] += dp;
+        sums[2] += ps * ps;
+        sums[3] += ps * dp;
+        sums[4] += dp * dp;
+        sums[5] += adp;
+        m = adp > m ? adp : m;
+    }
+    return m;
+}
+
 /* Both stages over every block; built for AVX-512, for AVX2 + FMA and for baseline x86-64,
  * picked at load time. The scalar stage goes run by run (tokens of one sequence and turn
  * bucket): each token adds its four joint values with one vector add and counts its histogram
@@ -478,6 +568,8 @@ static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n
                 hist[blk->bin[i]]++;
             }
             const Run run = run_sums(blk, k, r, NB);
+            const double run_adp = run_psums(blk, k, r, L->psum + tb * N_PSUMS);
+            L->max_adp[tb] = run_adp > L->max_adp[tb] ? run_adp : L->max_adp[tb];
             seq_lr += run.lr;
             seq_exp += run.e_abs;
             const double run_abs = -run.min_lr > run.max_lr ? -run.min_lr : run.max_lr;
@@ -532,7 +624,7 @@ int64_t mm_token_pass(const TokenPass *a) {
     Local L = {0};
     L.joint = aligned_alloc(64, (n_joint * sizeof(V4) + 63) / 64 * 64);
     L.hist = calloc((size_t)(T * (NB + 1)), sizeof(int32_t));
-    double *sums = malloc((size_t)(4 * T) * sizeof(double));
+    double *sums = malloc((size_t)((5 + N_PSUMS) * T) * sizeof(double));
     int64_t *ints = calloc((size_t)(5 * T), sizeof(int64_t));
     Block *blk = aligned_alloc(64, (sizeof(Block) + 63) / 64 * 64);
     int64_t valid = -2;
@@ -542,6 +634,8 @@ int64_t mm_token_pass(const TokenPass *a) {
         L.e_abs = sums + T;
         L.min_lr = sums + 2 * T;
         L.max_lr = sums + 3 * T;
+        L.max_adp = sums + 4 * T;
+        L.psum = sums + 5 * T;
         L.lo = ints;
         L.hi = ints + T;
         L.used = ints + 2 * T;        /* [T] the list, then [T] flags */

@@ -15,6 +15,9 @@ import torch
 
 # float64 sums per joint bin, in this order
 JOINT_SUMS = ("lr", "lr2", "k3", "exp_abs", "rho2")
+# float64 probability-space sums per cell, in this order (p = exp(log-prob), dp = p_T - p_S computed
+# as p_S * expm1(lr): no cancellation); sum p_T, p_T^2 and p_T p_S follow from them exactly
+PSUM_ROWS = ("ps", "dp", "ps2", "psdp", "dp2", "abs_dp")
 
 
 @dataclass
@@ -29,6 +32,8 @@ class TokenAccumulators:
     n_nonfinite: torch.Tensor   # [C + 1] int64
     n_positive: torch.Tensor    # [C + 1] int64
     n_lr_zero: torch.Tensor     # [C + 1] int64 valid tokens with lr == 0 exactly (equal log-probs)
+    p_sums: torch.Tensor        # [len(PSUM_ROWS), C + 1] float64
+    max_abs_dp: torch.Tensor    # [C + 1] float64 largest |p_T - p_S| (0 while empty)
     n_support_known: torch.Tensor
     n_support_mismatch: torch.Tensor
     n_kept: torch.Tensor
@@ -48,7 +53,9 @@ class TokenAccumulators:
             abs_hist=z((C + 1) * NB, hist_dtype),
             min_lr=torch.full((C + 1,), math.inf, dtype=f64, device=device),
             max_lr=torch.full((C + 1,), -math.inf, dtype=f64, device=device),
-            n_nonfinite=z(C + 1), n_positive=z(C + 1), n_lr_zero=z(C + 1), n_support_known=z(C + 1),
+            n_nonfinite=z(C + 1), n_positive=z(C + 1), n_lr_zero=z(C + 1),
+            p_sums=torch.zeros(len(PSUM_ROWS), C + 1, dtype=f64, device=device), max_abs_dp=z(C + 1, f64),
+            n_support_known=z(C + 1),
             n_support_mismatch=z(C + 1), n_kept=z(C + 1), sum_kept=z(C + 1, f64),
             seq_invalid=z(B + 1), seq_sum_lr=z(B + 1, f64), seq_sum_exp_abs=z(B + 1, f64),
             seq_max_abs=z(B + 1, f64),
@@ -63,7 +70,7 @@ class TokenAccumulators:
             o = getattr(other, name)
             if name == "min_lr":
                 torch.minimum(value, o, out=value)
-            elif name in ("max_lr", "seq_max_abs"):
+            elif name in ("max_lr", "seq_max_abs", "max_abs_dp"):
                 torch.maximum(value, o, out=value)
             else:
                 value += o

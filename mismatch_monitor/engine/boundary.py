@@ -21,7 +21,7 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
 # MM_ABI_VERSION of _native.c: the layout of the structs below and of the functions' arguments
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # the rows of joint sums the compiled pass adds into, in the order of Out in _native.c (lr^2 and
 # exp|lr| on each cell's first bin: the tables read them per cell only)
@@ -29,7 +29,7 @@ SUM_ROWS = ("lr", "lr2", "k3", "exp_abs", "rho2")
 # the accumulators the pass adds into (token_pass.TokenAccumulators), in the order of Out
 OUT_ARRAYS = ("joint_n",) + tuple(f"joint_{name}" for name in SUM_ROWS) + (
     "min_lr", "max_lr", "seq_sum_lr", "seq_sum_exp_abs", "seq_max_abs", "abs_hist", "n_nonfinite", "n_positive",
-    "seq_invalid", "n_lr_zero")
+    "seq_invalid", "n_lr_zero", "p_sums", "max_abs_dp")
 # log-prob dtypes the loop reads as they are, by the code it takes
 LOGPROB_DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
 
@@ -39,7 +39,7 @@ class TokenParams(ctypes.Structure):
                 ("tol", ctypes.c_double), ("outlier_abs", ctypes.c_double), ("poly_max", ctypes.c_double),
                 ("log_edges", _P), ("region_bounds", _P), ("slot_of_region", _P), ("upper", _P),
                 ("lut", _P), ("lut_shift", _I), ("lut_base", _I), ("lut_size", _I),
-                ("series", _P), ("n_series", _I), ("n_seq", _I)]
+                ("series", _P), ("n_series", _I), ("n_seq", _I), ("n_cells", _I)]
 
 
 class Out(ctypes.Structure):

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..config import MetricConfig
+from .accumulators import PSUM_ROWS
 from .boundary import ABI_VERSION, LOGPROB_DTYPES, OUT_ARRAYS, SUM_ROWS, Out, TokenParams, TokenPass
 from .boundary import abi_version, bind, checked
 from .histogram import LogBins
@@ -161,7 +162,7 @@ class TokenKernel:
             tol=config.positive_logprob_tol, outlier_abs=coder.outlier_abs, poly_max=POLY_MAX,
             log_edges=_ptr(log_edges), region_bounds=_ptr(bounds), slot_of_region=_ptr(slots),
             upper=_ptr(upper), lut=_ptr(lut), lut_shift=shift, lut_base=base, lut_size=len(lut),
-            series=_ptr(series), n_series=len(series), n_seq=n_seq)
+            series=_ptr(series), n_series=len(series), n_seq=n_seq, n_cells=n_seq_cells * n_turn + 1)
         return cls(params, keep, n_seq_cells)
 
     def run(self, ranges: np.ndarray, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor,
@@ -230,6 +231,7 @@ class TokenKernel:
         J = C1 * p.NL * p.R
         f64, i64 = (torch.float64,), (torch.int64,)
         checked(_WHERE, "acc.joint_sums", acc.joint_sums, f64, (len(SUM_ROWS), J))
+        assert p.n_cells == C1, (p.n_cells, C1)
         sums = acc.sum_rows()
         shapes = {"joint_n": (i64, J), "abs_hist": ((torch.int32,), C1 * p.NB), "min_lr": (f64, C1),
                   "max_lr": (f64, C1), "n_nonfinite": (i64, C1), "n_positive": (i64, C1), "n_lr_zero": (i64, C1),
@@ -238,7 +240,9 @@ class TokenKernel:
         shapes.update({f"joint_{name}": (f64, J) for name in SUM_ROWS})
         arrays = {name: getattr(acc, name) for name in OUT_ARRAYS if not name.startswith("joint_") or name == "joint_n"}
         arrays.update({f"joint_{name}": sums[name] for name in SUM_ROWS})
-        return Out(**{name: checked(_WHERE, f"acc.{name}", arrays[name], shapes[name][0], (shapes[name][1],))
+        shapes.update({"p_sums": (f64, (len(PSUM_ROWS), C1)), "max_abs_dp": (f64, C1)})
+        return Out(**{name: checked(_WHERE, f"acc.{name}", arrays[name], shapes[name][0],
+                                    shapes[name][1] if name == "p_sums" else (shapes[name][1],))
                       for name in OUT_ARRAYS})
 
 

@@ -22,6 +22,7 @@ from .histogram import LogBins
 from .slicing import Cells
 from .stats import empty_table, table_schema
 from .regions import Regions, ppo_band
+from .accumulators import PSUM_ROWS
 from .token_pass import JOINT_SUMS, TokenAccumulators
 
 Columns = Mapping[str, object]
@@ -132,6 +133,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
         "n_nonfinite": np_(acc.n_nonfinite[:C]),
         "n_positive_logprob": np_(acc.n_positive[:C]),
         "n_lr_zero": np_(acc.n_lr_zero[:C]),
+        **probability_sums(acc, C, empty),
         "sum_lr": total["lr"], "sum_lr2": total["lr2"], "sum_abs_lr": joint.abs_lr().sum(1),
         "sum_k3": total["k3"], "sum_exp_abs_lr": total["exp_abs"], "sum_rho": rho.sum(1),
         "sum_rho2": total["rho2"],
@@ -156,6 +158,17 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
     idx = np.flatnonzero(keep)
     rows = {k: take_rows(v, idx) for k, v in data.items()}
     return typed_columns("tokens", dims, rows)
+
+
+def probability_sums(acc: TokenAccumulators, C: int, empty: np.ndarray) -> dict[str, np.ndarray]:
+    """The stored probability-space fields of C cells from the pass's sums of p_S and
+    dp = p_T - p_S (PSUM_ROWS): p_T = p_S + dp, so the sums of p_T, p_T^2 and p_T p_S are exact
+    algebra on them (no difference of two rounded exps)."""
+    ps, dp, ps2, psdp, dp2, abs_dp = (np_(row[:C]) for row in acc.p_sums)
+    assert len(PSUM_ROWS) == 6
+    return {"sum_p_trainer": ps + dp, "sum_p_sampler": ps, "sum_p_trainer2": ps2 + 2.0 * psdp + dp2,
+            "sum_p_sampler2": ps2, "sum_p_cross": ps2 + psdp, "sum_abs_dp": abs_dp,
+            "max_abs_dp": np.where(empty, np.nan, np_(acc.max_abs_dp[:C]))}
 
 
 def lowprob_table(joint: JointBins, keys: Columns, dims: list[str]) -> pd.DataFrame:
