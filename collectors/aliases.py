@@ -43,14 +43,14 @@ class PeerAlias:
 
 
 _TOKEN_GLOBAL = "token-global masked mean over the driver's whole step batch"
-_VERL_08 = "verl 0.8 (verl-project/verl, trainer/ppo/rollout_corr_helper.py)"
+_VERL_08 = "verl 0.8 / main (verl-project/verl at 20c30bf, trainer/ppo/rollout_corr_helper.py)"
 _VERL_06 = "verl 0.6-0.7 (trainer/ppo/rollout_corr_helper.py)"
 _VERL_TOKEN_IS = "rollout_is='token', rollout_is_threshold = MetricConfig.tis_cap"
-_NEMO = "NeMo-RL main after 0.5 (algorithms/loss_functions.py ClippedPGLossFn, global token normalisation)"
+_NEMO = "NeMo-RL main of 2026 (algorithms/loss_functions.py ClippedPGLossFn, global token normalisation)"
 _NEMO_STEPS = ("micro-batch sums over the optimizer step's global valid-token count, summed over "
                "micro-batches and ranks, then averaged over the step's optimizer steps")
 _ONE_OPT_STEP = "the step runs several optimizer steps (an average of their token means)"
-_SKYRL = "SkyRL 0.3 (skyrl backends/skyrl_train/utils/off_policy_correction.py)"
+_SKYRL = "SkyRL main of 2026 (skyrl package, backends/skyrl_train/utils/off_policy_correction.py)"
 _SKYRL_MB = "a token mean per training micro-batch, averaged over the step's micro-batches"
 _ONE_MB = "the step has several micro-batches of different token counts"
 
