@@ -28,7 +28,9 @@ class Reducer(Protocol):
 
 class Evaluator(Protocol):
     """``by_pool``/``fleet``: :class:`GroupMetrics` (``.to_frame()`` gives the frame of
-    ``metrics.report``)."""
+    ``metrics.report``). An evaluator may also define ``observe_event(row)``: the collector then
+    hands it every event row it stores (``store/event_log.EVENT_COLUMNS``: weight syncs,
+    resumes, resyncs, resync requests) as it stores them."""
 
     def observe(self, step: int, wall_time: float, by_pool: GroupMetrics, *,
                 fleet: GroupMetrics | None = None) -> list[Any]: ...

@@ -85,7 +85,7 @@ class MismatchCollector:
         self._alert_callbacks: list[Callable[[Any], None]] = []
         self._resync_callbacks: list[Callable[[Any], None]] = []
         self.errors = ErrorLog()
-        self.run_log = RunLog(clock, self._note, strict)   # events and outcomes
+        self.run_log = RunLog(clock, self._note, strict, self._event_observed)   # events and outcomes
         self.pools = {k: dict(v) for k, v in (pools or {}).items()}
         self.writer: RunWriter | None = None
         self._finalizer: weakref.finalize | None = None
@@ -258,6 +258,13 @@ class MismatchCollector:
         floats = check_outcomes_call(step, values, pool)          # a mistake in the call raises
         self.resolve_reducer()
         self.run_log.outcomes(step, floats, pool)
+
+    def _event_observed(self, row: dict[str, Any]) -> None:
+        """An evaluator with ``observe_event(row)`` sees every event as it is stored (rules that
+        look at the steps right after a weight sync or resume)."""
+        observe = getattr(self.alert_evaluator, "observe_event", None)
+        if observe is not None:
+            self._call(observe, row, "alert evaluator", row["step"])
 
     def _note_rejections(self, wall: float) -> None:
         """Count and record the shards of other ranks the writer left out of this step."""

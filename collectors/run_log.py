@@ -126,8 +126,10 @@ class RunLog:
     """The collector's events and outcomes: the step an event without one takes, the resume a
     reopened run records at its first step, and storing the rows (on the writer rank only)."""
 
-    def __init__(self, clock: Callable[[], float], note: Note, strict: bool) -> None:
+    def __init__(self, clock: Callable[[], float], note: Note, strict: bool,
+                 observed: Callable[[dict[str, Any]], None] | None = None) -> None:
         self._clock = clock
+        self._observed = observed                 # told of every stored event row (the alert evaluator)
         self._note = note
         self._strict = strict
         self._writer: RunWriter | None = None
@@ -176,6 +178,8 @@ class RunLog:
             self.versions.add(row["step"], pool, row["version"], applied)
         if self._writer is not None:
             self._writer.append_events([row])
+        if self._observed is not None:
+            self._observed(row)
         return row
 
     def outcomes(self, step: int, values: Mapping[str, float], pool: str | None) -> None:

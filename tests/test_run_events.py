@@ -312,3 +312,30 @@ def test_summary_lists_events_and_the_last_value_of_each_outcome(tmp_path):
         ["reward", "fp8", "3", "3.5"]]
     plain = _summary(tmp_path / "run")                       # default: the latest 10, here all 5
     assert "weight events: 4 weight_sync, 1 resync:" in plain and "sync 0" in plain
+
+
+class EventAwareEvaluator:
+    """An evaluator that also takes the run's events (``observe_event``) and fails on one."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict] = []
+
+    def observe(self, step, wall_time, by_pool, *, fleet=None):
+        return []
+
+    def observe_event(self, row: dict) -> None:
+        self.seen.append(row)
+        if row["kind"] == "resync":
+            raise RuntimeError("evaluator cannot take resyncs")
+
+
+def test_an_evaluator_that_takes_events_sees_each_one_as_stored(tmp_path):
+    evaluator = EventAwareEvaluator()
+    with MismatchCollector(tmp_path / "run", alert_evaluator=evaluator, clock=_clock()) as mc:
+        mc.log_event("weight_sync", pool="fp8", version=0)
+        mc.log_step(0, make_batch(0))
+        mc.log_event("resync", pool="fp8", version=1)
+        mc.log_event("weight_sync", step=-1)                     # bad data: not stored, not shown
+    stored = _events(tmp_path / "run")
+    assert [(r["step"], r["kind"], r["version"]) for r in evaluator.seen] == [(0, "weight_sync", 0), (1, "resync", 1)]
+    assert len(stored) == 2 and mc.errors_by_kind == {"RuntimeError": 1, "StepError": 1}
