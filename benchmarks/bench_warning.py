@@ -1,0 +1,121 @@
+"""Early warning on the project's simulator: false firings on clean runs, detection latency of
+injected faults, missed faults, and what each resync did.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_warning.py                      # the full run
+    OMP_NUM_THREADS=1 python benchmarks/bench_warning.py --seeds 1 --steps 60 --onsets 2,10 --horizon 12
+
+Clean runs: ``stable_fleet`` (MoE policy by default) for each seed, every step through the engine and the in-process
+evaluator with the default rules; a resync an alert asks for is performed (as the demo does).
+Faults: the stable fleet with one pool's fault switched on at each onset step (the pool the
+simulator's ``fault_midrun`` hits for that kind), run until ``horizon`` steps after the onset.
+A fault is detected by the first firing on its pool at or after the onset; firings on other
+pools, or before the onset, are false firings. One run at a time, one torch thread.
+
+The simulator offers, for its torch pools: ``stop_sync`` (staleness), ``ignore_temperature``,
+``degrade_precision`` and ``wrong_weights``; ``sync_no_reset`` (prefix cache not reset) exists
+for vLLM pools only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from dataclasses import replace
+
+import torch
+
+from mismatch_monitor.alerts import DEFAULT_RULES, AlertEvaluator
+from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.metrics import report_by_label
+from mismatch_monitor.sim import FaultSpec, Simulation
+from mismatch_monitor.sim.scenarios import _FAULT_POOL, stable_fleet
+
+FAULTS = ("stop_sync", "ignore_temperature", "degrade_precision", "wrong_weights")
+
+
+def run(config, steps: int) -> tuple[list, AlertEvaluator, int]:
+    """Events of ``steps`` steps of ``config``; resyncs the alerts ask for are performed."""
+    sim = Simulation(config)
+    evaluator = AlertEvaluator(DEFAULT_RULES)
+    events, pool_steps = [], 0
+    try:
+        for out in sim.run(steps):
+            stats = compute_stats(out.batch, config.thresholds)
+            by_pool, fleet = report_by_label(stats, "pool", config.thresholds)
+            pool_steps += len(by_pool)
+            step_events = evaluator.observe(out.step, time.time(), by_pool, fleet=fleet)
+            events += step_events
+            for e in step_events:
+                if e.state == "firing" and e.resync:
+                    sim.resync(e.pool)
+    finally:
+        sim.close()
+    return events, evaluator, pool_steps
+
+
+def clean(seeds: int, steps: int, variant: str) -> None:
+    firing: Counter[str] = Counter()
+    total = 0
+    for seed in range(seeds):
+        config = stable_fleet(steps=steps, seed=seed, variant=variant)  # type: ignore[arg-type]
+        events, _, pool_steps = run(config, steps)
+        total += pool_steps
+        firing.update(e.alert for e in events if e.state == "firing")
+        print(f"clean seed {seed}: {pool_steps} pool-steps, firings: "
+              f"{sorted((e.step, e.alert, e.pool) for e in events if e.state == 'firing')}")
+    print(f"\n| rule | false firings | per 1,000 clean pool-steps ({total} pool-steps, {seeds} x {steps} steps) |")
+    print("|---|---|---|")
+    for rule in DEFAULT_RULES:
+        print(f"| `{rule.name}` | {firing[rule.name]} | {1000 * firing[rule.name] / total:.2f} |")
+
+
+def faults(onsets: list[int], horizon: int, seed: int, kinds: tuple[str, ...], variant: str) -> None:
+    rows = []
+    for kind in kinds:
+        for onset in onsets:
+            base = stable_fleet(seed=seed, variant=variant)  # type: ignore[arg-type]
+            spec = FaultSpec(kind, onset, "int3" if kind == "degrade_precision" else None)   # type: ignore[arg-type]
+            pool = _FAULT_POOL[kind]
+            config = replace(base, pools=tuple(replace(p, faults=(spec,)) if p.name == pool else p
+                                               for p in base.pools))
+            events, evaluator, _ = run(config, onset + horizon + 1)
+            on_pool = [e for e in events if e.state == "firing" and e.pool == pool and e.step >= onset]
+            false = [e for e in events if e.state == "firing" and (e.pool != pool or e.step < onset)]
+            first = on_pool[0] if on_pool else None
+            outcomes = [o for o in evaluator.resync_outcomes() if o.pool == pool]
+            rows.append((kind, pool, onset, None if first is None else first.step - onset,
+                         "" if first is None else first.alert, len(false),
+                         ", ".join(f"{o.requested_step}:{'helped' if o.helped else 'no effect'}" for o in outcomes)))
+            print(f"fault {kind} on {pool} from step {onset}: {sorted({(e.step, e.alert) for e in on_pool})[:6]} "
+                  f"false: {[(e.step, e.alert, e.pool) for e in false]}")
+    print("\n| fault | pool | onset | latency (steps) | first alert | false firings | resyncs (step: effect) |")
+    print("|---|---|---|---|---|---|---|")
+    for kind, pool, onset, latency, alert, false, resyncs in rows:
+        shown = "missed" if latency is None else str(latency)
+        print(f"| {kind} | {pool} | {onset} | {shown} | {alert and f'`{alert}`'} | {false} | {resyncs} |")
+    missed = sum(r[3] is None for r in rows)
+    print(f"\nmissed: {missed} of {len(rows)} injected faults (horizon {horizon} steps)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3, help="clean runs (seeds 0..N-1)")
+    parser.add_argument("--steps", type=int, default=200, help="steps of each clean run")
+    parser.add_argument("--onsets", default="1,2,5,10,50,100", help="fault onset steps, comma-separated")
+    parser.add_argument("--horizon", type=int, default=30, help="steps watched after each onset")
+    parser.add_argument("--faults", default=",".join(FAULTS), help="fault kinds, comma-separated")
+    parser.add_argument("--fault-seed", type=int, default=0)
+    parser.add_argument("--variant", choices=("moe", "dense"), default="moe",
+                        help="policy variant (moe: the routing-flip rule has flips to judge)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    clean(args.seeds, args.steps, args.variant)
+    faults([int(s) for s in args.onsets.split(",")], args.horizon, args.fault_seed,
+           tuple(k for k in args.faults.split(",") if k), args.variant)
+    print(f"\nwall time: {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
