@@ -91,3 +91,21 @@ def test_a_pool_worse_by_design_all_run_fires_at_most_once():
     history.loc[(history["pool"] == "int4") & (history["step"] >= 200), "mismatch/k3_kl"] *= 5
     _, events = AlertEvaluator.replay(history, rules=(POOL_OUTLIER,))
     assert [e.step for e in events if e.state == "firing" and e.pool == "int4"][:1] == [200 + POOL_OUTLIER.for_steps]
+
+
+def test_a_rise_that_lasts_the_rest_of_the_run_fires_once_and_holds_for_its_baseline():
+    cond = ROUTING_FLIP_RISE.condition
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(2000, 4000, 400)
+    rate = np.where(np.arange(400) >= 100, 0.05, 0.01)          # 5x from step 100 to the end
+    k = rng.binomial(sizes, rate)
+    history = pd.DataFrame({"step": np.arange(400), "pool": "mid", cond.rate: k / sizes,
+                            cond.total: sizes.astype(np.float64)})
+    _, events = AlertEvaluator.replay(history, rules=(ROUTING_FLIP_RISE,))
+    states = [(e.state, e.step) for e in events]
+    assert states[0] == ("firing", 100 + ROUTING_FLIP_RISE.for_steps)
+    assert [s for s, _ in states].count("firing") == 1
+    # it stays firing while a pre-fault baseline is left (the window before the guard), then
+    # resolves once: the raised level has become the pool's baseline and never fires again
+    resolved = [step for s, step in states if s == "resolved"]
+    assert resolved == [] or resolved[0] >= 100 + cond.window_steps
