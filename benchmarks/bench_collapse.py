@@ -1,8 +1,8 @@
 """Does the training-inference mismatch itself make training fail? The ``collapse_head`` search.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_collapse.py --seeds 0 1 --steps 300 \\
-        [--arms no_fault fault_none fault_tis matched] [--head int4] [--epochs 4] [--ratio sequence] \\
-        [--lr 1e-4] [--prompts 8] [--eval-prompts 32] [--eval-every 10] [--json out.json]
+    OMP_NUM_THREADS=1 python benchmarks/bench_collapse.py --seeds 0 1 --steps 61 \\
+        [--arms no_fault fault_none fault_tis matched] [--head int2] [--epochs 8] [--ratio sequence] \\
+        [--lr 3e-4] [--prompts 8] [--eval-prompts 32] [--eval-every 10] [--json out.json]
 
 Runs every arm of the ``collapse_head`` scenario (one at a time, one torch thread) for each
 seed and prints, per run, the fixed-prompt fp32 evaluation reward at step 0, its final value
@@ -11,6 +11,8 @@ seed's ``no_fault`` run, the mean |log rho| (sampler vs trainer) of the first an
 the steps, the largest gradient norm and the run's seconds. ``--json`` keeps every curve
 (evaluation reward, training reward, mean |lr|, gradient norm per step) for docs/COLLAPSE.md.
 A run "collapses" when its final evaluation reward is below half of the no-fault run's.
+Runs go arm by arm (every seed's no-fault run first); the arms of one seed share one warm start
+(run once, its weights reloaded: the same bits as running it again).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def cached_warm_start(model, task, tokenizer, *, steps, batch_size, learning_rat
     """The arms of one seed share their warm start (same seed, task and policy): it runs once
     per seed and the others load its weights, bitwise the same as running it again."""
     key = (task, tokenizer.alphabet, steps, batch_size, learning_rate, generator.initial_seed(),
-           model.config.to_json_string(), tuple(float(p.double().sum()) for p in model.parameters()))
+           model.config.to_json_string(), tuple(float(p.detach().double().sum()) for p in model.parameters()))
     if key not in _warm_started:
         loss = _warm_start(model, task, tokenizer, steps=steps, batch_size=batch_size,
                            learning_rate=learning_rate, generator=generator)
@@ -81,7 +83,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=61)
     ap.add_argument("--arms", nargs="+", default=list(COLLAPSE_ARMS), choices=COLLAPSE_ARMS)
     ap.add_argument("--head", default="int2")
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--ratio", default="sequence", choices=("token", "sequence"))
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--prompts", type=int, default=8)

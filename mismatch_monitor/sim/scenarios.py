@@ -79,7 +79,7 @@ def collapse_no_correction(*, steps: int = 200, variant: Variant = "dense", seed
 
 
 def collapse_head(*, steps: int = 300, variant: Variant = "dense", seed: int = 0, arm: CollapseArm = "fault_none",
-                  head: str = "int2", epochs: int = 4, ratio: str = "sequence", prompts: int = 8,
+                  head: str = "int2", epochs: int = 8, ratio: str = "sequence", prompts: int = 8,
                   learning_rate: float = 3e-4, alphabet: str = "abcdefghijklmnopqrst", min_length: int = 6,
                   max_length: int = 16, turns: int = 1, eval_prompts: int = 32, eval_every: int = 10) -> SimConfig:
     """One bf16 sampler pool whose LM head runs in ``head`` (the fault), trained by PPO with
