@@ -115,3 +115,18 @@ def test_ppo_epochs_take_several_optimiser_steps_and_one_version():
     assert sim.trainer.version == 1 and out.trainer_version == 0
     assert sim.trainer.optimizer.state_dict()["state"][0]["step"] == 3
     assert any(not torch.equal(before[k], v) for k, v in sim.trainer.state().items())
+
+
+def test_collapse_arms_differ_where_the_doc_says():
+    from mismatch_monitor.sim import scenario
+
+    arms = {a: scenario("collapse_head", arm=a) for a in ("no_fault", "fault_none", "fault_tis", "matched")}
+    assert {a: (c.pools[0].precision, c.pools[0].lm_head) for a, c in arms.items()} == {
+        "no_fault": ("bf16", "same"), "fault_none": ("bf16", "int2"), "fault_tis": ("bf16", "int2"),
+        "matched": ("fp32", "same")}
+    assert {a: (c.correction, c.objective.old_logprobs) for a, c in arms.items()} == {
+        "no_fault": ("none", "sampler"), "fault_none": ("none", "sampler"), "fault_tis": ("tis", "trainer"),
+        "matched": ("none", "sampler")}
+    assert all(c.evaluation.prompts > 0 and c.objective.kind == "ppo" for c in arms.values())
+    with pytest.raises(ValueError, match="arm"):
+        scenario("collapse_head", arm="fault")
