@@ -206,7 +206,7 @@ def test_exemplar_rows_built_by_failed_flushes_go_with_their_dropped_steps(small
         stats, per_seq = compute_stats_with_sequences(batch, CONFIG)
         writer.append_step(step, stats, select_exemplars(batch, 4, CONFIG, per_seq))
         time.sleep(0.02)                                       # every due flush is tried, and fails
-    pending = writer._pending
+    pending = writer._queue._pending
     built = {int(a) for entries in pending.buffer.values() for s, _, df in entries
              if s is None and _APPEND in df.columns for a in df[_APPEND]}
     assert built and built <= set(pending.appends)             # no row of a dropped step is held

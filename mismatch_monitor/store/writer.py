@@ -14,6 +14,11 @@ error is kept for :meth:`take_errors`. ``flush()`` and ``close()`` write everyth
 return and raise what fails. A step logged twice before it is written is written once, as
 logged last (a later flush of the same step wins anyway, by its higher ``write_id``).
 
+The buffer, the flush thread and the failure bookkeeping are the flush queue's (``flusher.py``,
+which says what its one lock guards and in which order). The writer holds that same lock around
+each of its public calls; it owns run.json's content (``info``, changed only under the lock),
+its closed state (set under the lock), the flush timer, the signal handlers and the run lock.
+
 What a fleet does to a run besides kill -9: a disk that refuses writes (``faults.py``: at most
 ``max_buffered_steps`` unwritten steps are kept, the oldest beyond are dropped and counted,
 retries back off, ``close(raise_errors=False)`` never raises); SIGTERM/SIGINT and pauses
@@ -28,7 +33,6 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -38,14 +42,14 @@ from ..config import MetricConfig
 from ..engine.stats import MismatchStats
 from .atomic import write_json_atomic
 from .event_log import EVENTS_TABLE, OUTCOMES_TABLE, log_frame
-from .faults import Backoff, WriteFaults
-from .flush_files import write_flush
+from .faults import Backoff
+from .flusher import FlushQueue
 from .ids import IdSource
-from .pending import DeferredTables, FlushError, _Pending
+from .pending import DeferredTables, FlushError
 from .runinfo import RUN_FILE, open_run_info
 from .runlock import RunLock
-from .schema import ERROR_COLUMNS, ERRORS_TABLE, LOG_TABLES, check_labels
-from .signals import DeferringLock, FlushTimer, SignalFlush
+from .schema import ERROR_COLUMNS, ERRORS_TABLE, check_labels
+from .signals import FlushTimer, SignalFlush
 
 # 100 steps amortise the per-file cost of a flush (one file per table, fsynced) when steps are
 # fast; 10 s (checked when a step arrives) bounds what waits in memory when they are slow. A crash
@@ -89,20 +93,7 @@ class RunWriter:
         self.run_dir = Path(run_dir)
         self.config = config or MetricConfig()
         self._clock = clock
-        self._ids = ids or IdSource(self.run_dir)
-        self._max_buffered = max_buffered_steps
-        self._faults = WriteFaults(retry)
-        self._flush_every_steps = flush_every_steps
-        self._flush_every_seconds = flush_every_seconds
-        self._pending = _Pending()
-        self._background = background
-        self._executor: ThreadPoolExecutor | None = None
-        self._inflight: tuple[Future[int], _Pending] | None = None
-        self._errors: list[FlushError] = []
-        self._appends = 0                         # numbers every append_step
-        self._flush_thread: int | None = None     # ident of the background flush thread
-        self._last_flush = clock()
-        self._lock = DeferringLock()              # re-entrant; a signal waits for the main thread to leave it
+        started = clock()                         # read before run.json's, as the flush clock's start
         self._closed = False
         self._run_lock = RunLock(self.run_dir)
         self._run_lock.acquire()                  # one writer per run directory
@@ -112,6 +103,11 @@ class RunWriter:
         except BaseException:
             self._run_lock.release()
             raise
+        self._queue = FlushQueue(
+            self.run_dir, self.info, ids or IdSource(self.run_dir), self._run_lock, clock=clock,
+            last_flush=started, flush_every_steps=flush_every_steps, flush_every_seconds=flush_every_seconds,
+            background=background, max_buffered_steps=max_buffered_steps, retry=retry)
+        self._lock = self._queue.lock             # the one lock of both (see flusher.py)
         self._timer = FlushTimer(self, min(1.0, flush_every_seconds / 4))
         self._signals = SignalFlush(self, self._lock, signal_flush_seconds) if handle_signals else None
 
@@ -133,49 +129,29 @@ class RunWriter:
             # the run's readers take run.json's config: stats of other parameters would read wrong
             stats.check_parameters(self.config, "RunWriter.append_step")
         wall = self._clock() if wall_time is None else float(wall_time)
+        row = {
+            "step": step,
+            "wall_time": wall,
+            "n_tokens": int(stats.column("tokens", "n_tokens").sum()) if stats is not None else 0,
+            "n_sequences": int(stats.column("sequences", "n_sequences").sum()) if stats is not None else 0,
+            "n_cells": len(stats.tables["tokens"]) if stats is not None else 0,
+            "collector_errors": int(collector_errors),
+        }
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"run writer for {self.run_dir} is closed")
-            if self._inflight is not None and self._inflight[0].done():
-                self._collect()                   # a finished flush's outcome, without waiting
-            self._appends += 1
-            append = self._appends
-            buffer = self._pending.buffer
-            if stats is not None:
-                for table, df in stats.tables.items():
-                    if len(df):
-                        buffer[table].append((step, append, df))
-            if hasattr(exemplars, "frames_of"):
-                self._pending.deferred.append((step, append, exemplars))
-            else:
-                for table, df in (exemplars or {}).items():
-                    if len(df):
-                        buffer[table].append((step, append, df))
-            self._pending.steps.append({
-                "step": step,
-                "wall_time": wall,
-                "n_tokens": int(stats.column("tokens", "n_tokens").sum()) if stats is not None else 0,
-                "n_sequences": int(stats.column("sequences", "n_sequences").sum()) if stats is not None else 0,
-                "n_cells": len(stats.tables["tokens"]) if stats is not None else 0,
-                "collector_errors": int(collector_errors),
-            })
-            self._pending.appends.append(append)
-            self._bound()
-            if self._due():
-                self._flush_due()
+            self._queue.add_step(step, stats.tables if stats is not None else {}, exemplars, row)
 
     def append_alerts(self, rows: list[Mapping[str, Any]]) -> None:
         if rows:
-            with self._lock:
-                self._pending.buffer["alerts"].append((None, None, pd.DataFrame([dict(r) for r in rows])))
+            self._queue.add_rows("alerts", pd.DataFrame([dict(r) for r in rows]))
 
     def append_errors(self, rows: list[Mapping[str, Any]]) -> None:
         """Buffer collector errors (``ERROR_COLUMNS``; ``step`` may be None). They are written with
         the next flush, also one with no step to write (its index file is then empty)."""
         if rows:
             df = pd.DataFrame([{c: r.get(c) for c in ERROR_COLUMNS} for r in rows]).astype(ERROR_COLUMNS)
-            with self._lock:
-                self._pending.buffer[ERRORS_TABLE].append((None, None, df))
+            self._queue.add_rows(ERRORS_TABLE, df)
 
     def append_events(self, rows: list[Mapping[str, Any]]) -> None:
         """Buffer weight sync / resume / resync events (``event_log.EVENT_COLUMNS``), written with
@@ -192,166 +168,42 @@ class RunWriter:
             with self._lock:
                 if self._closed:
                     raise RuntimeError(f"run writer for {self.run_dir} is closed")
-                self._pending.buffer[table].append((None, None, df))
-
-    def _has_log_rows(self) -> bool:
-        return any(self._pending.buffer[t] for t in LOG_TABLES)
-
-    def _due(self) -> bool:
-        if not self._faults.may_retry():          # a failing disk is retried after a backoff
-            return False
-        return (len(self._pending.steps) >= self._flush_every_steps
-                or self._clock() - self._last_flush >= self._flush_every_seconds)
+                self._queue.add_rows(table, df)
 
     def flush_if_due(self) -> None:
         """A flush by the clock, for a pause between steps (the flush timer calls it)."""
         with self._lock:
             if self._closed:
                 return
-            if self._inflight is not None and self._inflight[0].done():
-                self._collect()
-            if (self._pending.steps or self._has_log_rows()) and self._due():
-                self._flush_due()
-
-    def _bound(self) -> None:
-        """While the disk refuses writes, keep at most ``max_buffered_steps`` unwritten steps:
-        drop the oldest not being written, and count them (reported when the episode ends)."""
-        if not self._faults.failing:              # otherwise a flush in flight bounds the backlog
-            return
-        inflight = len(self._inflight[1].steps) if self._inflight is not None else 0
-        over = min(len(self._pending.steps) + inflight - self._max_buffered, len(self._pending.steps))
-        if over > 0:
-            self._faults.dropped(self._pending.drop_oldest(over))
-
-    def _failed(self, pending: _Pending, exc: BaseException, *, report: bool = True) -> None:
-        """A flush failed: its steps go back in front; the first failure of an episode is reported."""
-        self._restore(pending)
-        if self._faults.failed() and report:
-            error = FlushError(
-                f"writing {pending.step_range()} failed; they are kept and written again when the disk takes "
-                f"them (retried with backoff; at most {self._max_buffered} unwritten steps are kept, beyond "
-                f"that the oldest are dropped and counted; reported once until a write succeeds): "
-                f"{type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            self._errors.append(error)
-        self._bound()
-        self._pending.prune_built()
-
-    def _succeeded(self, written: int) -> None:
-        if self._faults.failing:
-            message = self._faults.recovered(written, str(self.run_dir))
-            if message is not None:
-                self._errors.append(FlushError(message))
-            self._save_dropped()
-
-    def _save_dropped(self) -> None:
-        """Record the run's dropped-step count in run.json (best effort: the disk may be full)."""
-        if self._faults.dropped_total:
-            self.info["dropped_steps"] = int(self.info.get("dropped_steps", 0)) + self._faults.dropped_total
-            self._faults.dropped_total = 0
-            try:
-                write_json_atomic(self.info, self.run_dir / RUN_FILE)
-            except OSError:
-                pass                              # written again with the next run.json
+            self._queue.flush_if_due()
 
     @property
     def dropped_steps(self) -> int:
         """Steps of this run (restarts included) dropped unwritten: a disk that refused them."""
-        with self._lock:
-            return int(self.info.get("dropped_steps", 0)) + self._faults.dropped_total
+        return self._queue.dropped_steps
 
     @property
     def pending_steps(self) -> int:
         """Steps logged but not yet visible to readers (buffered or being written)."""
-        with self._lock:
-            inflight = len(self._inflight[1].steps) if self._inflight is not None else 0
-            return len(self._pending.steps) + inflight
+        return self._queue.pending_steps
 
     def take_errors(self) -> list[FlushError]:
         """What went wrong in flushes since the last call, oldest first, each once (a failed
         write's steps are written again by the next flush)."""
-        with self._lock:
-            errors, self._errors = self._errors, []
-            return errors
+        return self._queue.take_errors()
 
     # ------------------------------------------------------------------ flushing
     def flush(self, *, raise_errors: bool = True) -> int:
         """Write every buffered step before returning; returns how many steps became visible,
         including those of a background flush that was in flight. A write that fails keeps its
         steps and raises, or with ``raise_errors=False`` is kept for :meth:`take_errors`."""
-        with self._lock:
-            self._last_flush = self._clock()
-            done = self._collect()
-            pending = self._take()
-            if pending is None:
-                return done
-            try:
-                written = write_flush(self.run_dir, self._ids, pending)
-            except BaseException as exc:
-                self._failed(pending, exc, report=not raise_errors)
-                if raise_errors:
-                    raise
-                return done
-            self._succeeded(written)
-            self._keep_errors(pending)
-            return done + written
-
-    def _flush_due(self) -> None:
-        self._last_flush = self._clock()
-        if not self._background:
-            self.flush(raise_errors=False)        # a failure is kept for take_errors, as in the background
-            return
-        self._collect()                                  # one flush in flight at a time, in order
-        pending = self._take()
-        if pending is None:
-            return
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mismatch-monitor-flush")
-        try:
-            self._inflight = (self._executor.submit(self._write_in_background, pending), pending)
-        except RuntimeError:                             # interpreter shutting down: write here
-            self._restore(pending)
-            self.flush()
-
-    def _collect(self) -> int:
-        """Wait for the background flush in flight; a failed one gives its steps back."""
-        if self._inflight is None:
-            return 0
-        future, pending = self._inflight
-        self._inflight = None
-        try:
-            written = future.result()
-        except BaseException as exc:
-            self._failed(pending, exc)
-            return 0
-        self._succeeded(written)
-        self._keep_errors(pending)
-        return written
-
-    def _keep_errors(self, pending: _Pending) -> None:
-        self._errors.extend(pending.errors)
-        pending.errors.clear()
-
-    def _take(self) -> _Pending | None:
-        if not self._pending.steps and not self._has_log_rows():
-            return None
-        pending, self._pending = self._pending, _Pending()
-        return pending
-
-    def _restore(self, older: _Pending) -> None:
-        """Put steps of a failed flush back in front of what arrived since."""
-        older.extend(self._pending)
-        self._pending = older
-
-    def _write_in_background(self, pending: _Pending) -> int:
-        self._flush_thread = threading.get_ident()
-        return write_flush(self.run_dir, self._ids, pending)
+        return self._queue.flush(raise_errors=raise_errors)
 
     def close(self, *, raise_errors: bool = True) -> None:
         """Write what is buffered, mark the run closed and release it. With ``raise_errors=False``
         it never raises: steps that cannot be written are dropped and counted, and what went wrong
         is kept for :meth:`take_errors`."""
-        if self._flush_thread is not None and threading.get_ident() == self._flush_thread:
+        if self._queue.on_flush_thread():
             # called on the flush thread itself (a finalizer the garbage collector ran there):
             # waiting there for the flush in flight would never end, so close from another thread
             threading.Thread(target=self.close, kwargs={"raise_errors": raise_errors},
@@ -360,32 +212,17 @@ class RunWriter:
         with self._lock:
             if self._closed:
                 return
-            try:
-                self.flush(raise_errors=raise_errors)
-            finally:
-                if self._executor is not None:
-                    self._executor.shutdown(wait=True)
-                    self._executor = None
-            if self._inflight is not None:        # a flush the timer started meanwhile
-                self._collect()
-            gave_up = None
-            if self._pending.steps:               # raise_errors=False and the disk still refuses
-                gave_up = self._faults.gave_up([r["step"] for r in self._pending.steps], str(self.run_dir))
-                self._pending = _Pending()
-                if gave_up is not None:
-                    self._errors.append(FlushError(gave_up))
+            gave_up = self._queue.drain(raise_errors=raise_errors)
             self.info["closed_at"] = self._clock()
-            if self._faults.dropped_total:
-                self.info["dropped_steps"] = int(self.info.get("dropped_steps", 0)) + self._faults.dropped_total
-                self._faults.dropped_total = 0
+            self._queue.fold_dropped()
             try:
                 write_json_atomic(self.info, self.run_dir / RUN_FILE)
             except OSError as exc:
                 if raise_errors:
                     raise
                 if gave_up is None:               # else the same disk failure was just reported
-                    self._errors.append(FlushError(f"could not mark {self.run_dir} closed in {RUN_FILE}: "
-                                                   f"{type(exc).__name__}: {exc}"))
+                    self._queue.report(FlushError(f"could not mark {self.run_dir} closed in {RUN_FILE}: "
+                                                  f"{type(exc).__name__}: {exc}"))
             self._closed = True
             self._timer.stop()
             if self._signals is not None:
