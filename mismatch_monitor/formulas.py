@@ -85,6 +85,20 @@ class ESS:
 
 
 @dataclass(frozen=True)
+class LogESS:
+    """ESS (sum w)^2 / (n sum w^2) of weights held as L1 = log sum w and L2 = log sum w^2 (fields
+    merged by logsumexp): exp(2 L1 - L2) / n, never overflowing; ``chi2=True``: n sum w^2 /
+    (sum w)^2 - 1 = 1 / ESS - 1."""
+    log_sum_w: str
+    log_sum_w2: str
+    n: str
+    chi2: bool = False
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.log_sum_w, self.log_sum_w2, self.n)
+
+
+@dataclass(frozen=True)
 class Correlation:
     """Pearson correlation of x and y from n and the sums of x, y, x^2, y^2, xy.
 
@@ -117,7 +131,7 @@ class Quantile:
         return ("count",)
 
 
-Formula = Union[Value, Ratio, Variance, StdError, ESS, Correlation, Quantile]
+Formula = Union[Value, Ratio, Variance, StdError, ESS, LogESS, Correlation, Quantile]
 
 UNIT_ROUNDOFF = 2.0 ** -53
 
@@ -180,6 +194,11 @@ def evaluate(formula: Formula, cols: Columns) -> np.ndarray:
         return _ess(*args)
     if isinstance(formula, Correlation):
         return _correlation(*args)
+    if isinstance(formula, LogESS):
+        log_sum_w, log_sum_w2, n = args
+        ok = n > 0
+        log_ess = np.where(ok, 2.0 * log_sum_w - log_sum_w2 - np.log(np.where(ok, n, 1.0)), np.nan)
+        return np.expm1(-log_ess) if formula.chi2 else np.exp(log_ess)
     raise TypeError(f"{type(formula).__name__} is evaluated from histogram rows, not summed columns")
 
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 from .engine.fields import TABLES
 from .engine.histogram import QUANTILES
-from .formulas import ESS, Correlation, Formula, Quantile, Ratio, StdError, Value, Variance
+from .formulas import ESS, Correlation, Formula, LogESS, Quantile, Ratio, StdError, Value, Variance
 
 # "share": a fraction of tokens or sequences in [0, 1]; "ratio": a dimensionless ratio that is
 # not a share (ESS, chi^2, multiplicative error); "log-ratio": in units of lr = log pi - log mu
@@ -145,6 +145,13 @@ METRICS: tuple[Metric, ...] = (
        "unbiased variance over sequences of sum_t lr; read by length bucket it grows like T (its std like "
        "sqrt T) for independent token noise and like T^2 for a bias shared by a sequence's tokens",
        Variance("sum_seq_lr", "sum_seq_lr2", S)),
+    _s("mismatch/seq/is_ess", "ratio", "sequence-IS ESS",
+       "normalised ESS (sum w)^2 / (n sum w^2) of the sequence-level IS weights w = exp(sum_t lr); near 1/n "
+       "when one sequence's weight dominates: sequence-level correction is then unusable", LogESS(
+           "lse_seq_w", "lse_seq_w2", S), format=".4f"),
+    _s("mismatch/seq/is_chi2", "ratio", "sequence-IS chi^2",
+       "n sum w^2 / (sum w)^2 - 1 of w = exp(sum_t lr): the chi-square of the self-normalised sequence "
+       "weights, 1 / ESS - 1", LogESS("lse_seq_w", "lse_seq_w2", S, chi2=True)),
     _s("mismatch/seq/log_ratio/min", "log-ratio", "min seq log ratio", "smallest sum_t lr", Value("min_seq_lr")),
     _s("mismatch/seq/log_ratio/max", "log-ratio", "max seq log ratio", "largest sum_t lr", Value("max_seq_lr")),
     _s("mismatch/seq/mean_log_ratio/mean", "log-ratio", "mean geo. log ratio",

@@ -386,6 +386,7 @@ def reference_tables(case: Case, config: MetricConfig) -> dict[str, pd.DataFrame
         prod, geo = np.exp(sl), np.exp(ml)
         row = dict(base, n_sequences=len(g), sum_seq_len=int(g["n"].sum()), sum_seq_lr=sl.sum(),
                    sum_seq_lr2=float(np.sum(sl * sl)), sum_seq_mean_lr=ml.sum(), sum_seq_max_abs_lr=mx.sum(),
+                   lse_seq_w=np.logaddexp.reduce(sl), lse_seq_w2=np.logaddexp.reduce(2.0 * sl),
                    min_seq_lr=sl.min(),
                    max_seq_lr=sl.max(), max_seq_max_abs_lr=mx.max(),
                    n_drop_product=int(((prod <= config.seq_product_band[0]) | (prod > config.seq_product_band[1])).sum()),
@@ -520,9 +521,17 @@ def reference_probability_metrics(t: np.ndarray, s: np.ndarray) -> dict[str, flo
             "mismatch/prob_pearson_corr": float(np.corrcoef(p_t, p_s)[0, 1]) if defined else np.nan}
 
 
+def reference_sequence_is(seq_lr: np.ndarray) -> dict[str, float]:
+    """ESS and chi^2 of w = exp(seq_lr), from weights scaled by their largest (w / max w)."""
+    w = np.exp(seq_lr - seq_lr.max())
+    n = len(w)
+    ess = w.sum() ** 2 / (n * np.sum(w * w))
+    return {"mismatch/seq/is_ess": float(ess), "mismatch/seq/is_chi2": float(n * np.sum(w * w) / w.sum() ** 2 - 1.0)}
+
+
 def _reference_seq_metrics(case: Case, config: MetricConfig, seqs: pd.DataFrame, by: Sequence[str],
                            key: tuple) -> dict:
-    keys = ("n_sequences", "log_ratio/mean", "log_ratio/variance", "log_ratio/min", "log_ratio/max",
+    keys = ("n_sequences", "is_ess", "is_chi2", "log_ratio/mean", "log_ratio/variance", "log_ratio/min", "log_ratio/max",
             "mean_log_ratio/mean", "max_abs_log_ratio/mean", "product_mask_fraction", "geometric_mask_fraction",
             "mult_error_mask_fraction", "neg_adv_mask_fraction")
     res = {f"mismatch/seq/{k}": np.nan for k in keys}
@@ -541,6 +550,7 @@ def _reference_seq_metrics(case: Case, config: MetricConfig, seqs: pd.DataFrame,
         "mismatch/seq/n_sequences": float(len(g)),
         "mismatch/seq/log_ratio/mean": sl.mean(), "mismatch/seq/log_ratio/min": sl.min(),
         "mismatch/seq/log_ratio/variance": float(np.var(sl, ddof=1)) if len(sl) > 1 else np.nan,
+        **reference_sequence_is(sl),
         "mismatch/seq/log_ratio/max": sl.max(), "mismatch/seq/mean_log_ratio/mean": ml.mean(),
         "mismatch/seq/max_abs_log_ratio/mean": g["max_abs"].mean(),
         "mismatch/seq/product_mask_fraction": np.mean(~((np.exp(sl) > config.seq_product_band[0]) & (np.exp(sl) <= config.seq_product_band[1]))),

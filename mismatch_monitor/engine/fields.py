@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Merge = Literal["sum", "max", "min"]
+# "logsumexp": the field holds log sum_i exp(x_i) of its rows' values; merged as M + log sum exp(v - M)
+# with M the group's largest value (in numpy and in the generated SQL), so no exp ever overflows
+Merge = Literal["sum", "max", "min", "logsumexp"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ SEQUENCE_FIELDS: tuple[Field, ...] = (
     _f("min_seq_lr", "min", "float64", "smallest sum_t lr of a sequence"),
     _f("max_seq_lr", "max", "float64", "largest sum_t lr of a sequence"),
     _f("max_seq_max_abs_lr", "max", "float64", "largest max_t |lr| of a sequence"),
+    _f("lse_seq_w", "logsumexp", "float64", "log sum over sequences of w = exp(sum_t lr) (sequence-level IS weights)"),
+    _f("lse_seq_w2", "logsumexp", "float64", "log sum over sequences of w^2 = exp(2 sum_t lr)"),
     _f("n_drop_product", "sum", "int64", "sequences whose exp(sum lr) lies outside (lo, hi] of seq_product_band"),
     _f("n_drop_geometric", "sum", "int64", "sequences whose exp(mean lr) lies outside (lo, hi] of seq_geometric_band"),
     _f("n_drop_mult_error", "sum", "int64", "sequences whose mean exp(|lr|) > seq_mult_error_threshold"),
@@ -134,3 +138,12 @@ TOKEN_CELL_TABLES = ("tokens", "abs_hist", "lowprob", "routing_layers")
 
 def merge_rules(table: str) -> dict[str, Merge]:
     return {f.name: f.merge for f in TABLES[table][1]}
+
+
+def merge_sql(rule: Merge, column: str) -> str:
+    """The SQL aggregate merging ``column`` (a quoted identifier or expression) by ``rule``:
+    sum/max/min, or for logsumexp the group's max plus the log of the sum of exp(value - max)
+    (DuckDB: a list of the group's values, so one aggregate expression, also in GROUPING SETS)."""
+    if rule == "logsumexp":
+        return f"(max({column}) + ln(list_sum(list_transform(list({column}), lambda x: exp(x - max({column}))))))"
+    return f"{rule}({column})"

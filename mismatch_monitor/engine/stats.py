@@ -141,9 +141,27 @@ def aggregate(df: pd.DataFrame, keys: list[str], rules: dict[str, str]) -> pd.Da
     return pd.DataFrame(data)
 
 
+def logsumexp_by(values: np.ndarray, group: np.ndarray, G: int) -> np.ndarray:
+    """log sum exp(values) per group 0..G-1, shifted by each group's max so nothing overflows
+    (S = +-800, whose exp overflows or underflows, merges exactly as well). NaN values (a column
+    a part lacks) are skipped; a group without a value is NaN."""
+    values = np.asarray(values, dtype=np.float64)
+    has = ~np.isnan(values)
+    shift = np.full(G, -np.inf)
+    np.maximum.at(shift, group[has], values[has])
+    at = np.where(np.isfinite(shift), shift, 0.0)
+    with np.errstate(divide="ignore"):
+        total = np.bincount(group[has], weights=np.exp(values[has] - at[group[has]]), minlength=G)
+        out = at + np.log(total)
+    return np.where(np.bincount(group[has], minlength=G) > 0, out, np.nan)
+
+
 def merge_column(values: np.ndarray, rule: str, group: np.ndarray, G: int) -> np.ndarray:
     """One value column merged by its rule into groups 0..G-1 (``group`` [n]): integer sums
-    stay exact, NaN extremes are skipped, a group without a value is NaN for max/min."""
+    stay exact, NaN extremes are skipped, a group without a value is NaN for max/min (and
+    logsumexp, :func:`logsumexp_by`)."""
+    if rule == "logsumexp":
+        return logsumexp_by(values, group, G)
     if rule == "sum":
         if values.dtype.kind in "iu":
             summed = np.zeros(G, dtype=np.int64)
@@ -160,6 +178,8 @@ def merge_total(values: np.ndarray, rule: str) -> np.ndarray:
     stays NaN)."""
     if rule == "sum":
         return np.array([values.sum()], dtype=values.dtype)
+    if rule == "logsumexp":
+        return logsumexp_by(values, np.zeros(len(values), dtype=np.int64), 1)
     if len(values) == 0:
         return np.array([np.nan])
     ext = (np.fmax if rule == "max" else np.fmin).reduce(values.astype(np.float64))

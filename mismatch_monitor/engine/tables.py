@@ -20,7 +20,7 @@ from .fields import SEQ_HIST_KINDS
 from . import native
 from .histogram import LogBins
 from .slicing import Cells
-from .stats import empty_table, table_schema
+from .stats import empty_table, logsumexp_by, table_schema
 from .regions import Regions, ppo_band
 from .accumulators import PSUM_ROWS
 from .token_pass import JOINT_SUMS, TokenAccumulators
@@ -220,6 +220,7 @@ def sequence_tables(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, con
         "n_sequences": cnt(ok), "sum_seq_len": np.bincount(cell, weights=n, minlength=S + 1)[:S].round(),
         "sum_seq_lr": ssum(seq_lr), "sum_seq_lr2": ssum(seq_lr * seq_lr),
         "sum_seq_mean_lr": ssum(mean_lr), "sum_seq_max_abs_lr": ssum(max_abs),
+        "lse_seq_w": logsumexp_by(seq_lr, cell, S + 1)[:S], "lse_seq_w2": logsumexp_by(2.0 * seq_lr, cell, S + 1)[:S],
         "min_seq_lr": extreme(seq_lr, np.minimum, np.inf), "max_seq_lr": extreme(seq_lr, np.maximum, -np.inf),
         "max_seq_max_abs_lr": extreme(max_abs, np.maximum, -np.inf),
         "n_drop_product": cnt(outside(seq_lr, config.seq_product_band)),

@@ -24,7 +24,7 @@ import pandas as pd
 
 from ..batch import STANDARD_DIMENSIONS
 from ..config import MetricConfig
-from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
+from ..engine.fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules, merge_sql
 from ..metrics import METRIC_BY_KEY, derive
 from ..store import health
 from ..store.current import CURRENT, index_cte, table_files
@@ -115,8 +115,9 @@ def _label_filter(where: Mapping[str, str | None] | None, params: dict[str, Any]
 
 
 def _merged_columns(rules: Mapping[str, str], available: set[str]) -> list[str]:
-    """``sum/max/min(col) AS col`` per value column (NULL for a column no file has yet)."""
-    return [f'{rule}(t."{col}") AS "{col}"' if col in available else f'NULL AS "{col}"'
+    """``sum/max/min(col) AS col`` (``fields.merge_sql``) per value column (NULL for a column no
+    file has yet)."""
+    return [merge_sql(rule, 't."' + col + '"') + f' AS "{col}"' if col in available else f'NULL AS "{col}"'
             for col, rule in rules.items()]
 
 

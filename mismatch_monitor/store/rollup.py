@@ -24,7 +24,7 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 
-from ..engine.fields import LENGTH_KEY, TABLES, TURN_KEY, merge_rules
+from ..engine.fields import LENGTH_KEY, TABLES, TURN_KEY, merge_rules, merge_sql
 from .atomic import write_parquet_atomic
 from .schema import file_name, stamp
 
@@ -83,7 +83,8 @@ def build(table: str, cells: pa.Table) -> pa.Table | None:
     gid = f"CASE GROUPING({', '.join(dims)}) {names} END" if dims else "''"
     grouping_sets = ", ".join("(" + ", ".join(["block", *g, *extra]) + ")" for g in sets)
     select = (["block", f"{gid} AS grouping"] + [f'"{d}"' for d in dims] + [f'"{c}"' for c in extra]
-              + ["max(step) AS step_last"] + [f'{rule}("{c}") AS "{c}"' for c, rule in rules.items()])
+              + ["max(step) AS step_last"]
+              + [merge_sql(rule, '"' + c + '"') + f' AS "{c}"' for c, rule in rules.items()])
     sql = (f"SELECT {', '.join(select)} FROM (SELECT *, step // {BLOCK} * {BLOCK} AS block FROM cells) "
            f"GROUP BY GROUPING SETS ({grouping_sets}) ORDER BY grouping, block")
     con = _connection()
