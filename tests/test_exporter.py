@@ -91,6 +91,11 @@ def test_gauges_match_the_reference_per_pool_hardware_and_fleet():
         if len(seq_sums) > 1:                          # one sequence has no variance
             assert value(reg, "mismatch_seq_log_ratio_variance", **labels) == pytest.approx(
                 np.var(seq_sums, ddof=1), rel=1e-9)
+        w = np.exp(seq_sums - seq_sums.max())           # sequence-IS weights, scaled by the largest
+        assert value(reg, "mismatch_seq_is_ess_ratio", **labels) == pytest.approx(
+            w.sum() ** 2 / (len(w) * np.sum(w * w)), rel=1e-12)
+        assert value(reg, "mismatch_seq_is_chi2_ratio", **labels) == pytest.approx(
+            len(w) * np.sum(w * w) / w.sum() ** 2 - 1.0, rel=1e-9, abs=1e-15)
     assert value(reg, "mismatch_last_step") == 7
     assert value(reg, "mismatch_routing_flip_rate_ratio") is None      # no expert ids: no sample, not 0
 
