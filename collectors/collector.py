@@ -11,7 +11,7 @@ By default the collector never raises into training over bad *data*: such an err
 once per message, counted, and kept with its text in the run's ``errors`` table (``errors.py``);
 ``strict=True`` raises it instead. A mistake in the call itself (a misspelt field, a list where a
 tensor belongs) raises at once in every mode (``checks.py``). Callbacks (``on_alert``,
-``on_resync``) that fail are logged and never break training either.
+``on_resync``) that fail are logged and never break training either (``error_keeping.py``).
 
 In a process started as one of several (``torch.distributed`` initialised with a world size
 above 1, or a launcher's ``WORLD_SIZE``), ``reducer="auto"`` (the default) reduces every step to
@@ -20,7 +20,6 @@ rank 0, which alone writes the run: the ranks never write one run directory each
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 import weakref
@@ -40,14 +39,13 @@ from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, MAX_BUFFERED_
 from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warnings, with_pool_labels
 from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
 from .distributed import DistributedReducer, distributed_world, launched_world
+from .error_keeping import ErrorKeeping
 from .errors import ErrorLog
 from .run_log import RunLog, check_event_call, check_outcomes_call
 from .versions import event_applied
 
-log = logging.getLogger("mismatch_monitor")
 
-
-class MismatchCollector:
+class MismatchCollector(ErrorKeeping):
     def __init__(
         self,
         run_dir: str | os.PathLike[str],
@@ -121,18 +119,6 @@ class MismatchCollector:
                 self.alert_evaluator = default_evaluator(self.writer.run_dir)
             # flush what is buffered if the process exits without close() (finalize runs at exit)
             self._finalizer = weakref.finalize(self, close_and_log, self.writer)
-
-    @property
-    def error_count(self) -> int:
-        return self.errors.count
-
-    @property
-    def errors_by_kind(self) -> dict[str, int]:
-        return self.errors.by_kind
-
-    @property
-    def last_error(self) -> str | None:
-        return self.errors.last
 
     # ------------------------------------------------------------------ callbacks
     def on_alert(self, fn: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -266,14 +252,6 @@ class MismatchCollector:
         if observe is not None:
             self._call(observe, row, "alert evaluator", row["step"])
 
-    def _note_rejections(self, wall: float) -> None:
-        """Count and record the shards of other ranks the writer left out of this step."""
-        take = getattr(self.reducer, "take_rejections", None)
-        for r in take() if take is not None else []:
-            row = self.errors.add(f"rank {r.rank}: step {r.step}: this rank's batch was left out",
-                                  r.kind, r.message, step=r.step, wall_time=wall)
-            self._store_errors([row])
-
     def _as_batch(self, batch: TokenBatch | None, fields: dict[str, Any]) -> TokenBatch:
         return with_pool_labels(as_token_batch(batch, fields), self.pools)
 
@@ -297,44 +275,6 @@ class MismatchCollector:
                     self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter", step)
                 for fn in self._resync_callbacks:
                     self._call(fn, event, "on_resync", step)
-
-    def _call(self, fn: Callable[[Any], None], event: Any, where: str, step: int) -> None:
-        try:
-            fn(event)
-        except Exception as exc:
-            if self.strict:
-                raise
-            self._note(f"{where} callback failed", exc, step, self._clock())
-
-    def _check_store(self) -> None:
-        """Report what went wrong in the writer's flushes (a failed write's steps stay buffered
-        and are written again): each error is counted and logged; strict mode raises the first."""
-        errors = self.writer.take_errors() if self.writer is not None else []
-        if errors and self.strict:
-            raise errors[0]
-        for error in errors:
-            self._note("the run store", error, None, self._clock())
-
-    def _append_empty(self, step: int | None, wall: float) -> None:
-        """Record a step without statistics, so the index shows the error count at that step
-        (a step that cannot be stored leaves only its error row)."""
-        if step is not None and self.writer is not None and not self.writer.closed:
-            try:
-                self.writer.append_step(step, None, wall_time=wall, collector_errors=self.error_count)
-            except Exception as inner:  # the store itself failed: say so once, keep training
-                self._note("the run store failed", inner, step, wall)
-
-    def _note(self, what: str, exc: BaseException, step: int | None, wall: float) -> None:
-        """Count, log (once per message) and store one error."""
-        self._store_errors([self.errors.note(what, exc, step=step, wall_time=wall)])
-
-    def _store_errors(self, rows: list[dict[str, Any]]) -> None:
-        # only the writer rank stores; another rank's errors reach it with its shard
-        if self.writer is not None and not self.writer.closed:
-            try:
-                self.writer.append_errors(rows)
-            except Exception:  # noqa: BLE001 - the count and the log line already hold it
-                log.exception("mismatch-monitor: could not keep a collector error in the run")
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
