@@ -242,10 +242,11 @@ def outcomes_figure(df: pd.DataFrame, *, x: XAxis = "step", smoothing: float = 0
     for name in df["name"].drop_duplicates().tolist():
         part = df[df["name"] == name]
         whole, pools = part[part["pool"].isna()], part[part["pool"].notna()]
-        add_series(fig, whole, "value", group=None, x=x, smoothing=smoothing, name=str(name),
-                   colors={str(name): OUTCOME_COLORS.get(str(name), PALETTE[0])})
+        shown = str(name).replace("_", " ")       # "eval reward", as the tables name columns
+        add_series(fig, whole, "value", group=None, x=x, smoothing=smoothing, name=shown,
+                   colors={shown: OUTCOME_COLORS.get(str(name), PALETTE[0])})
         add_series(fig, pools, "value", group="pool", x=x, smoothing=smoothing, colors=colors,
-                   labels={p: f"{name} · {p}" for p in pools["pool"].unique()})
+                   labels={p: f"{shown} · {p}" for p in pools["pool"].unique()})
     fig.update_yaxes(title="value")
     fig.update_xaxes(title=x_title(x))
     return finish(fig, height)

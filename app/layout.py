@@ -69,15 +69,16 @@ def trend(frame: pd.DataFrame, metric: str) -> float:
 
 def headline(container: Any, key: str, value: Any, recent: pd.DataFrame | None, *,
              label: str | None = None) -> None:
-    """A headline number with its sparkline (recent steps) and trend (change across them)."""
-    points = recent[key].dropna().tolist() if recent is not None and len(recent) else []
+    """A headline number with its trend (change across the recent steps). No sparkline: each is a
+    Vega chart of its own, which cost the Overview most of its first paint (the history chart
+    below draws the same series per pool)."""
     change = trend(recent, key) if recent is not None and len(recent) else math.nan
     delta = None
     if math.isfinite(change):
         delta = f"{'-' if change < 0 else '+'}{format_value(key, abs(change))} over {len(recent)} steps"
     container.metric(label or metric_label(key), format_value(key, value), delta=delta,
                      delta_color="normal" if key in HIGHER_IS_BETTER else "inverse",
-                     chart_data=points or None, chart_type="line", border=True,
+                     border=True,
                      help=METRIC_BY_KEY[key].description if key in METRIC_BY_KEY else None)
 
 

@@ -43,7 +43,7 @@ POOL_DEFAULT: tuple[str, ...] = (K3, P99, MAX_ABS, ESS, EXTREME, STALENESS, "mis
                                  "mismatch/clip_high_fraction", FLIPS)
 # every share whose value depends on a config threshold: what a correction would clip or drop
 CORRECTIONS: tuple[str, ...] = tuple(m.key for m in METRICS if m.unit == "share" and m.thresholds)
-SPARK_STEPS = 100   # steps behind each sparkline and trend
+SPARK_STEPS = 100   # steps behind each headline trend
 OUTCOMES: tuple[str, ...] = ("reward", "eval_reward")   # the training outcomes the Overview draws
 HEATMAP_COLUMNS = 240  # step bins of the |log ρ| histogram heatmap (bins x steps cells)
 
@@ -116,8 +116,6 @@ def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) ->
     recent = (max(span.first, span.last - SPARK_STEPS + 1), span.last)
     out["recent"] = query.metric_series_binned(con, run_dir, [], first=recent[0], width=1,
                                                metrics=HEADLINE, steps=recent)
-    out["recent_pools"] = query.metric_series_binned(con, run_dir, ["pool"], first=recent[0], width=1,
-                                                     metrics=HEADLINE, steps=recent)
     out["history"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.origin, width=span.width,
                                                 metrics=HEADLINE + (STALENESS,), steps=span.steps)
     outcomes = _in_span(run_outcomes(con, run_dir), span)   # empty for a run written before outcomes

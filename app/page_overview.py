@@ -11,8 +11,8 @@ from mismatch_monitor.app.state import STATUS_MARK
 view = state.current()
 
 if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and is anything firing? "
-                      "Headline numbers are the latest step with observations; sparklines and trends "
-                      f"cover the last {loaders.SPARK_STEPS} steps."):
+                      "Headline numbers are the latest step with observations; trends cover the last "
+                      f"{loaders.SPARK_STEPS} steps."):
     with st.expander("Runs under the root", expanded=len(view.run_names) > 1):
         runs = data.catalog(view.root)
         st.dataframe(layout.readable(runs.assign(status=runs["status"].map(lambda s: STATUS_MARK.get(s, s)),
@@ -64,21 +64,15 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
             return
         latest_step = d["latest_step"]
         st.subheader(f"Fleet at step {latest_step}")
-        cols = st.columns(5)
-        for col, key in zip(cols, loaders.HEADLINE[:5]):
+        # one card per headline metric, the fleet's flip rate among them; each pool's is in the
+        # table below and its history in the chart (a card per pool drew one more chart per pool)
+        flips = not fleet[loaders.FLIPS].isna().all()
+        keys = loaders.HEADLINE if flips else loaders.HEADLINE[:5]
+        for col, key in zip(st.columns(len(keys)), keys):
             layout.headline(col, key, fleet[key].iloc[0], d.get("recent"))
-        pools_now = d["latest_pools"]
-        st.subheader("Routing flips per pool")
-        recent_pools = d.get("recent_pools")
-        if pools_now[loaders.FLIPS].isna().all():
+        if not flips:
             layout.empty("No expert ids were logged: routing flips are not observed in this run.")
-        else:
-            cols = st.columns(min(4, len(pools_now)) or 1)
-            for i, (_, row) in enumerate(pools_now.iterrows()):
-                pool = row["pool"]
-                mine = recent_pools[recent_pools["pool"] == pool] if recent_pools is not None else None
-                layout.headline(cols[i % len(cols)], loaders.FLIPS, row[loaders.FLIPS], mine,
-                                label=f"flip rate · {figures.label(pool)}")
+        pools_now = d["latest_pools"]
         st.subheader(f"Per pool at step {latest_step}")
         st.dataframe(layout.metric_table(pools_now, list(loaders.HEADLINE) + ["mismatch/n_tokens"], ["pool"]),
                      hide_index=True, width="stretch")

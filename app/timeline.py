@@ -118,9 +118,9 @@ RUN_EVENT_STYLE: dict[str, tuple[str, str, float, str]] = {
     "resync": (RESYNC[1], "solid", 1.5, "full"),
     "resync_request": (RESYNC[1], "dash", 1.0, "full"),
     "resume": ("#222222", "dashdot", 1.5, "full"),
-    "weight_sync": ("#8c8c8c", "solid", 1.0, "rug"),
+    "weight_sync": ("#555555", "solid", 1.5, "rug"),
 }
-RUG_HEIGHT = 0.03   # of the figure's height
+RUG_HEIGHT = 0.04   # of the figure's height
 
 
 def _bins(frame: pd.DataFrame, x: XAxis, first: int, width: int) -> pd.Series:

@@ -127,8 +127,11 @@ def test_overview_headline_numbers_match_an_independent_reference(monkeypatch, r
     # quantiles come from the log histogram: within its relative accuracy (plus display rounding)
     assert close(shown["p99 |lr|"], fleet["mismatch/abs_log_ratio/p99"], ALPHA + 5e-4)
     pools = reference_metrics(runs.fleet.cases[last], CONFIG, by=["pool"]).set_index("pool")
+    assert close(shown["routing flip rate"], fleet["mismatch/routing/flip_rate"], 5e-4)
+    table = next(d.value for d in at.dataframe if "routing flip rate" in d.value.columns)   # per pool
     for pool, row in pools.iterrows():
-        assert close(shown[f"flip rate · {pool}"], row["mismatch/routing/flip_rate"], 5e-4)
+        assert close(table.loc[table["pool"] == pool, "routing flip rate"].item(), row["mismatch/routing/flip_rate"],
+                     5e-4)
     assert f"Fleet at step {last}" in [h.value for h in at.subheader]
 
 
@@ -153,9 +156,9 @@ def test_pools_page_shows_each_pools_share_of_samples_and_of_the_tail(monkeypatc
     totals = ref.groupby("pool")[["mismatch/seq/n_sequences", "n_extreme"]].sum()
     shares = at.dataframe[0].value.set_index("pool")
     for pool, row in totals.iterrows():
-        assert shares.loc[pool, "sample_share"] == pytest.approx(
+        assert shares.loc[pool, "share of samples"] == pytest.approx(
             row["mismatch/seq/n_sequences"] / totals["mismatch/seq/n_sequences"].sum(), rel=1e-12)
-        assert shares.loc[pool, "extreme_share"] == pytest.approx(row["n_extreme"] / totals["n_extreme"].sum(),
+        assert shares.loc[pool, "share of extreme-ratio tokens"] == pytest.approx(row["n_extreme"] / totals["n_extreme"].sum(),
                                                                   rel=1e-9)
         assert shares.loc[pool, "precision"] == pool          # pool metadata from run.json
 

@@ -89,12 +89,12 @@ def test_syncs_resumes_and_resyncs_are_marked_on_the_time_series(monkeypatch, ro
 def test_the_overview_draws_the_reward_and_eval_reward_beside_the_alerts(monkeypatch, root: Path) -> None:  # noqa: ANN001
     spec = chart(open_page(monkeypatch, root, PAGE["overview"], "logged"), "overview_outcomes")
     traces = {t.name: t for t in spec.data}
-    assert {"reward", "eval_reward", "reward · bf16", "reward · fp8", "reward · int4"} == set(traces)  # not loss
+    assert {"reward", "eval reward", "reward · bf16", "reward · fp8", "reward · int4"} == set(traces)  # not loss
     for name, pool in (("reward", None), ("reward · fp8", "fp8")):
         got = dict(zip(array(traces[name].x), array(traces[name].customdata)))
         assert got.keys() == set(range(STEPS))
         assert all(math.isclose(v, reward(s, pool), rel_tol=1e-12) for s, v in got.items())
-    assert array(traces["eval_reward"].x) == [4, 9, 14, 19]
+    assert array(traces["eval reward"].x) == [4, 9, 14, 19]
     assert marked(spec, "resync") == {RESYNC}
 
 
