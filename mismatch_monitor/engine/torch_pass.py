@@ -82,7 +82,7 @@ def pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: "Plan
 
     em1 = torch.expm1(lr)                     # rho - 1, accurate for tiny lr
     exp_abs = torch.exp(abs_lr)
-    _add_probability_sums(acc, cell, s, em1, p.sync_free)
+    _add_probability_sums(acc, cell, joint, p.NL * p.R, s, em1, p.sync_free)
     weights = (lr, lr * lr, em1 - lr, exp_abs, em1.add_(1.0).square_())
     for j, w in enumerate(weights):
         acc.joint_sums[j].scatter_add_(0, joint, w)
@@ -96,15 +96,20 @@ def pass_chunk(acc: TokenAccumulators, batch: TokenBatch, cells: Cells, p: "Plan
     acc.seq_max_abs.scatter_reduce_(0, seq, abs_lr, "amax")
 
 
-def _add_probability_sums(acc: TokenAccumulators, cell: torch.Tensor, s: torch.Tensor, em1: torch.Tensor,
-                          free: bool) -> None:
+def _add_probability_sums(acc: TokenAccumulators, cell: torch.Tensor, joint: torch.Tensor, width: int,
+                          s: torch.Tensor, em1: torch.Tensor, free: bool) -> None:
     """The probability-space sums (accumulators.PSUM_ROWS) per cell: p_S = exp(s) and
-    p_T - p_S = p_S (rho - 1), which keeps the digits a difference of two exps would cancel."""
+    p_T - p_S = p_S (rho - 1), which keeps the digits a difference of two exps would cancel.
+    On the CPU they are counted by joint bin (``width`` per cell) and folded per cell: runs of
+    one cell (sorted sequences) make ``bincount`` several-fold slower."""
     ps = torch.exp(s)
     dp = ps * em1
     abs_dp = dp.abs()
     for row, w in zip(acc.p_sums, (ps, dp, ps * ps, ps * dp, dp * dp, abs_dp)):
-        _count(row, cell, w, free)
+        if free:
+            row.scatter_add_(0, cell, w)
+        else:
+            row += torch.bincount(joint, weights=w, minlength=row.numel() * width).view(-1, width).sum(1)
     acc.max_abs_dp.scatter_reduce_(0, cell, abs_dp, "amax")
 
 
