@@ -5,6 +5,7 @@ counted per slice, never allowed to poison a statistic; an empty batch is valid 
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -220,3 +221,52 @@ def test_all_cells_empty_of_valid_tokens():
     report = metrics.report(stats, by=["pool"]).set_index("pool")
     assert report["mismatch/k3_kl"].isna().all() and report["mismatch/ess"].isna().all()
     assert (report["mismatch/data_quality/nonfinite_tokens"] == 4).all()
+
+
+# ----------------------------------------------------------------------------- padded == flat
+
+def _flat_from_rows(values, mask):
+    """The masked slots of each row in order, concatenated, with each row's start: written as a
+    loop over rows, not as the mask select ``from_padded`` does."""
+    rows = [values[b][mask[b]] for b in range(mask.shape[0])]
+    lengths = [int(m.sum()) for m in mask]
+    return torch.cat(rows), [0, *np.cumsum(lengths).tolist()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_padded_and_flat_layouts_give_identical_tokens_and_statistics(dtype):
+    g = torch.Generator().manual_seed(7)
+    Bp, Tp = 6, 40
+    mask = torch.rand(Bp, Tp, generator=g) < 0.5        # non-contiguous rows
+    mask[1] = False                                     # an empty row
+    mask[2] = True                                      # a row with every slot a token
+    mask[4, :] = False
+    mask[4, 5:17] = True                                # one contiguous response
+    s = -torch.rand(Bp, Tp, generator=g, dtype=torch.float64) * 4 - 0.01
+    t = s + 0.05 * torch.randn(Bp, Tp, generator=g, dtype=torch.float64)
+    trainer, sampler = t.to(dtype), s.to(dtype)
+    turn = torch.arange(Tp).expand(Bp, Tp) // 9
+    support = torch.rand(Bp, Tp, generator=g) < 0.9
+    experts_t = torch.randint(0, 8, (Bp, Tp, 2, 3), generator=g)
+    experts_s = torch.randint(0, 8, (Bp, Tp, 2, 3), generator=g)
+    tokens = torch.randint(0, 1000, (Bp, Tp), generator=g)
+    labels = {"pool": ["a", "b", "a", "c", "b", "a"]}
+    common = dict(labels=labels, policy_version=[3, 2, 3, 1, 3, 3], trainer_version=3,
+                  advantages=torch.linspace(-1, 1, Bp))
+    per_token = dict(turn_index=turn, in_trainer_support=support, trainer_experts=experts_t,
+                     sampler_experts=experts_s, token_ids=tokens)
+    # an integer mask takes the same path as a bool one
+    p = TokenBatch.from_padded(trainer, sampler, mask.to(torch.int32), **common, **per_token)
+    flat_t, offsets = _flat_from_rows(trainer, mask)
+    f = TokenBatch.from_flat(flat_t, _flat_from_rows(sampler, mask)[0], seq_offsets=offsets, **common,
+                             **{k: _flat_from_rows(v, mask)[0] for k, v in per_token.items()})
+    assert p.seq_offsets.tolist() == offsets and p.seq_index.dtype == torch.int64
+    for name in ("trainer_logprobs", "sampler_logprobs", "seq_index", "turn_index", "in_trainer_support",
+                 "trainer_experts", "sampler_experts", "token_ids"):
+        a, b = getattr(p, name), getattr(f, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.equal(p.position, f.position)
+    sp, sf = compute_stats(p, MetricConfig()), compute_stats(f, MetricConfig())
+    assert sp.tables.keys() == sf.tables.keys()
+    for table in sp.tables:
+        pd.testing.assert_frame_equal(sp[table], sf[table], check_exact=True)

@@ -1,0 +1,64 @@
+"""How the padded and offsets layouts become the flat one, cheaply.
+
+verl and OpenRLHF hand over ``[B, T]`` tensors and a response mask, usually at millions of slots
+per step, so this runs every step before the engine. Torch's boolean-mask select and
+``nonzero`` are single-threaded and slow on the CPU (8M slots: ~0.1-0.2 s each, a
+``bool.sum(1)`` as much), several times the engine's own pass. numpy's boolean select and
+``count_nonzero`` do the same work in a fraction of that, so CPU tensors go through numpy views
+of the same memory; the sequence index is the row number repeated once per selected slot, read
+from the row lengths rather than from the positions of the mask. Tokens keep row-major order
+either way, so every layout gives the same flat tensors, bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# numpy has no bfloat16: such a tensor is selected through an int16 view of its bytes
+_VIEWS = {torch.bfloat16: torch.int16}
+
+
+def repeat_ids(B: int, lengths: torch.Tensor) -> torch.Tensor:
+    """[N] int64: sequence b repeated lengths[b] times. On the CPU numpy's ``repeat`` is ~2x
+    faster than ``torch.repeat_interleave`` (8M tokens: 30 ms against 59)."""
+    if lengths.device.type == "cpu":
+        return torch.from_numpy(np.repeat(np.arange(B, dtype=np.int64), lengths.numpy()))
+    return torch.repeat_interleave(torch.arange(B, device=lengths.device), lengths)
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray | None:
+    """A numpy view of a CPU tensor's memory, or None where numpy cannot read it (another
+    device, a dtype numpy lacks)."""
+    if t.device.type != "cpu" or t.requires_grad or t.is_conj() or t.is_neg():
+        return None
+    try:
+        return t.view(_VIEWS.get(t.dtype, t.dtype)).numpy()
+    except (TypeError, RuntimeError):
+        return None
+
+
+class PaddedRows:
+    """The rows of a ``[B, T]`` response mask: which slots are tokens, and where each row starts.
+
+    ``lengths`` ``[B]`` int64 tokens per row, ``offsets`` ``[B + 1]`` their cumulative sum,
+    ``seq_index`` ``[N]`` int64 the row of each token, in row-major order."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask                                  # [B, T] bool
+        self._np = _as_numpy(mask)
+        B = mask.shape[0]
+        if self._np is not None:
+            self.lengths = torch.from_numpy(np.count_nonzero(self._np, axis=1).astype(np.int64))
+        else:
+            self.lengths = mask.sum(1, dtype=torch.int64)
+        self.offsets = torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
+        self.seq_index = repeat_ids(B, self.lengths)
+
+    def select(self, t: torch.Tensor) -> torch.Tensor:
+        """``t[mask]``: ``[B, T, ...]`` -> ``[N, ...]``, the same values in the same order."""
+        arr = _as_numpy(t) if self._np is not None else None
+        if arr is None:
+            return t[self.mask]
+        out = torch.from_numpy(np.ascontiguousarray(arr[self._np]))
+        return out.view(t.dtype) if t.dtype in _VIEWS else out
