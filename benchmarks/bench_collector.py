@@ -7,7 +7,10 @@
    final ``close()``) as a ratio to ``compute_stats`` alone, timed alternately step by step in
    the same run on the same batch; wall-clock and process-CPU ratios.
 2. Bytes on disk per step per 1,000 cells.
-3. ``summary`` and a by-pool series query on a run of ``--steps`` steps (the same step's
+3. The padded layout verl and OpenRLHF pass (``--padded B T``, default 2048 x 4096 slots):
+   ``TokenBatch.from_padded`` plus ``compute_stats`` as a ratio to ``compute_stats`` on the same
+   tokens given flat, timed alternately in the same run.
+4. ``summary`` and a by-pool series query on a run of ``--steps`` steps (the same step's
    statistics written ``--steps`` times through the real writer, flushed every 100 steps), as
    absolute times and as ratios to a bare ``count(*)`` over the same files.
 """
@@ -111,6 +114,37 @@ def bench_overhead(sizes: list[int], tmp: Path) -> None:
               f"{collector_cpu / engine_cpu:>10.3f} {cells:>6} {per_step / cells * 1000:>20,.0f}")
 
 
+def make_padded(B: int, T: int, seed: int = 0) -> tuple[dict, torch.Tensor]:
+    """``[B, T]`` tensors as verl hands them over: a left-padded prompt of 64..1023 slots, then a
+    response of 16..T-1024 tokens, then right padding; the response mask is 1 on the response."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(64, 1024, (B,), generator=g)
+    response = torch.randint(16, T - 1024, (B,), generator=g)
+    slot = torch.arange(T)
+    mask = (slot >= prompt[:, None]) & (slot < (prompt + response)[:, None])
+    trainer = -torch.rand(B, T, generator=g) * 6.0
+    sampler = (trainer - torch.randn(B, T, generator=g) * 1e-3).clamp(max=0)
+    fields = dict(trainer_logprobs=trainer.to(torch.bfloat16), sampler_logprobs=sampler.to(torch.bfloat16),
+                  labels={"pool": [f"pool{i % 6}" for i in range(B)]})
+    return fields, mask.to(torch.int64)        # verl's attention-style masks are integers
+
+
+def bench_padded(B: int, T: int, repeat: int = 5) -> None:
+    fields, mask = make_padded(B, T)
+    padded = TokenBatch.from_padded(response_mask=mask, **fields)
+    flat = TokenBatch.from_flat(padded.trainer_logprobs, padded.sampler_logprobs,
+                                seq_offsets=padded.seq_offsets, labels=fields["labels"])
+    compute_stats(flat)                                 # warm-up
+    engine = build = both = float("inf")
+    for _ in range(repeat):                             # interleaved: the same machine state
+        engine = min(engine, best_of(lambda: compute_stats(flat), 1))
+        build = min(build, best_of(lambda: TokenBatch.from_padded(response_mask=mask, **fields), 1))
+        both = min(both, best_of(lambda: compute_stats(TokenBatch.from_padded(response_mask=mask, **fields)), 1))
+    print(f"\npadded input [{B}, {T}] ({padded.num_tokens:,} response tokens), best of {repeat}")
+    print(f"{'engine on flat s':>17} {'from_padded s':>14} {'padded->stats s':>16} {'x engine':>9}")
+    print(f"{engine:>17.4f} {build:>14.4f} {both:>16.4f} {both / engine:>9.2f}")
+
+
 def bench_queries(steps: int, tmp: Path) -> None:
     run = tmp / "long"
     stats = compute_stats(make_batch(100_000, seed=1))
@@ -154,12 +188,17 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 8_000_000])
     parser.add_argument("--steps", type=int, default=10_000)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--padded", type=int, nargs=2, default=[2048, 4096], metavar=("B", "T"))
+    parser.add_argument("--only-padded", action="store_true", help="run only the padded-input part")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="mm-bench-"))
     try:
-        bench_overhead(args.sizes, tmp)
-        bench_queries(args.steps, tmp)
+        if not args.only_padded:
+            bench_overhead(args.sizes, tmp)
+        bench_padded(*args.padded)
+        if not args.only_padded:
+            bench_queries(args.steps, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
