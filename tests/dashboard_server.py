@@ -83,9 +83,16 @@ def chart(page, key: str):  # noqa: ANN001, ANN201 - Playwright page and locator
 def drag_zoom(page, key: str, start: float = 0.3, stop: float = 0.6) -> None:  # noqa: ANN001
     """Zoom chart ``key`` as a user does: a mouse drag across its first subplot, from ``start``
     to ``stop`` of its width (a horizontal drag: an x zoom)."""
-    area = chart(page, key).locator(".nsewdrag").first
-    area.scroll_into_view_if_needed()
-    box = area.bounding_box()
+    # in one step, retried: a live page redraws (plotly replaces its drag layers meanwhile)
+    for _ in range(300):
+        box = page.evaluate("""key => { const area = document.querySelector(`.st-key-${key} .js-plotly-plot .nsewdrag`);
+            if (!area) return null;
+            area.scrollIntoView({block: 'center'}); const r = area.getBoundingClientRect();
+            return r.width > 0 ? {x: r.x, y: r.y, width: r.width, height: r.height} : null; }""", key)
+        if box:
+            break
+        page.wait_for_timeout(200)
+    assert box, f"chart {key} has no plot area"
     y = box["y"] + box["height"] * 0.5
     page.mouse.move(box["x"] + box["width"] * start, y)
     page.mouse.down()
