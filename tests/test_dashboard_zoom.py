@@ -1,7 +1,6 @@
 """A chart's zoom kept in the URL (``app/zoom.py``): which values are ranges of the axis shown,
 and a page drawn with the URL's range (AppTest). The browser half (a zoom written to the URL, a
-copied URL reopening it, a live refresh keeping it) is in test_dashboard_views.py and
-test_dashboard_live.py."""
+copied URL reopening it) is in test_dashboard_views.py."""
 
 from __future__ import annotations
 
