@@ -60,8 +60,13 @@ def test_the_alerts_page_opens_on_the_alert_firing_now(monkeypatch) -> None:  # 
 
 
 def lines(layout: dict) -> list[dict]:
-    """Each line of the annotation layer: its x and the opacity of its path."""
-    return [{"x0": x, "opacity": s["opacity"]} for s in layout.get("shapes", []) if s.get("yref") == "paper"
+    """Each alert line of the annotation layer (a firing, a resolution or a resync trigger; the
+    run's own weight syncs, resumes and resyncs are drawn in other styles, the run's resync
+    requests like a trigger): its x and the opacity of its path."""
+    alert_styles = {(timeline.MARKERS["firing"][1], "solid"), (timeline.MARKERS["resolved"][1], "dot"),
+                    (timeline.RESYNC[1], "dash")}
+    return [{"x0": x, "opacity": s["opacity"]} for s in layout.get("shapes", [])
+            if s.get("yref") == "paper" and (s["line"].get("color"), s["line"].get("dash")) in alert_styles
             for x in timeline.positions(s)]
 
 

@@ -100,8 +100,8 @@ def test_the_overview_draws_the_reward_and_eval_reward_beside_the_alerts(monkeyp
 
 @pytest.mark.skipif(not (SAMPLE_DATA / "fault_midrun").is_dir(), reason="no sample runs")
 def test_a_run_written_before_the_event_log_renders_as_before(monkeypatch) -> None:  # noqa: ANN001
-    assert not (SAMPLE_DATA / "fault_midrun" / "events").exists()        # what the test needs
-    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["overview"], "fault_midrun")
+    assert not (SAMPLE_DATA / "vllm_fleet" / "events").exists()          # what the test needs
+    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["overview"], "vllm_fleet")
     assert not [c for c in charts(at) if c.proto.id.endswith("-overview_outcomes")]
     spec = chart(at, "overview_history")
     assert all(not marked(spec, kind) for kind in ("weight_sync", "resume", "resync"))
