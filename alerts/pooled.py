@@ -85,8 +85,27 @@ class _Weighted:
             return X, np.maximum(Q - X * S, 0.0) / (c - 1), N, c
 
 
+class _OnWeighted:
+    """What both pooled-mean conditions read: a per-step mean and its token total (``mean``,
+    ``total`` fields of the dataclass), folded into weighted sums by :class:`_Weighted`."""
+
+    mean: str
+    total: str
+
+    @property
+    def _w(self) -> _Weighted:
+        return _Weighted(self.mean, self.total)
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.mean, self.total)
+
+    def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
+        return self._w.derived(now)
+
+
 @dataclass(frozen=True)
-class MeanRise:
+class MeanRise(_OnWeighted):
     """``x / X > factor`` and ``(x - X) / sqrt(s^2 (1/n + 1/N)) > z`` with ``X``, ``s^2`` and ``N``
     pooled over the previous ``window_steps`` steps (at least ``min_points``); value ``x / X``."""
 
@@ -105,24 +124,14 @@ class MeanRise:
         _check(self.window_steps, self.min_points)
 
     @property
-    def _w(self) -> _Weighted:
-        return _Weighted(self.mean, self.total)
-
-    @property
     def threshold(self) -> float:
         return self.factor
-
-    @property
-    def metrics(self) -> tuple[str, ...]:
-        return (self.mean, self.total)
 
     @property
     def windows(self) -> dict[str, int]:
         n = self._w.names("pool", self.window_steps)
         return {n[k] + INACTIVE: self.window_steps + GUARD_STEPS for k in ("weighted", "weighted_sq", "trials")}
 
-    def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
-        return self._w.derived(now)
 
     def explain(self) -> str:
         return (f"`{self.mean}` > {self.factor:g} x its token-weighted mean over {self.window_steps} steps before the "
@@ -181,7 +190,7 @@ class MeanRise:
 
 
 @dataclass(frozen=True)
-class PooledDrift:
+class PooledDrift(_OnWeighted):
     """``|X| / sqrt(s^2 / N) > z`` and ``|X| > floor`` with ``X``, ``s^2``, ``N`` pooled over the
     last ``window_steps`` steps, this one included (at least ``min_points``); value: the z-score."""
 
@@ -200,24 +209,14 @@ class PooledDrift:
         _check(self.window_steps, self.min_points)
 
     @property
-    def _w(self) -> _Weighted:
-        return _Weighted(self.mean, self.total)
-
-    @property
     def threshold(self) -> float:
         return self.z
-
-    @property
-    def metrics(self) -> tuple[str, ...]:
-        return (self.mean, self.total)
 
     @property
     def windows(self) -> dict[str, int]:
         n = self._w.names("pool", self.window_steps)
         return {n[k]: self.window_steps for k in ("weighted", "weighted_sq", "trials")}
 
-    def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
-        return self._w.derived(now)
 
     def explain(self) -> str:
         return (f"\\|token-weighted `{self.mean}` over the last {self.window_steps} steps\\| > {self.z:g} standard "
