@@ -26,6 +26,7 @@ class ErrorKeeping:
     reducer: Any              # Reducer | "auto" | None
     strict: bool
     _clock: Callable[[], float]
+    resolve_reducer: Callable[[], None]     # MismatchCollector's: opens the store on the writer rank
 
     @property
     def error_count(self) -> int:
@@ -38,6 +39,19 @@ class ErrorKeeping:
     @property
     def last_error(self) -> str | None:
         return self.errors.last
+
+    def log_error(self, error: Exception, *, step: int | None = None, where: str = "ingestion") -> None:
+        """Count and keep an error that a check outside the collector found in the data (an
+        ingestion's token-id disagreement, ``openai_ingest.log_agreement``): logged, counted in
+        ``mismatch/collector_errors`` and kept with its text in the run's ``errors`` table;
+        ``strict=True`` raises it instead."""
+        plain_step = step is None or (isinstance(step, int) and not isinstance(step, bool))
+        if not isinstance(error, Exception) or not plain_step:             # a mistake in the call
+            raise TypeError(f"expected an Exception and an int or None step, got {error!r} and {step!r}")
+        if self.strict:
+            raise error
+        self.resolve_reducer()
+        self._note(where, error, step, self._clock())
 
     def _note_rejections(self, wall: float) -> None:
         """Count and record the shards of other ranks the writer left out of this step."""

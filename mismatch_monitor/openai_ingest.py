@@ -15,6 +15,10 @@ every disagreement is logged at CRITICAL with its pool, turn, sequence and first
 those tokens get a NaN sampler log-prob (the collector counts them as non-finite input instead
 of reading a ratio of two different tokens). A response without token ids (servers that send
 only token strings) cannot be checked and is counted as ``n_unverified``.
+
+``log_agreement(collector, step, aligned.agreement)`` keeps the agreement in the run: outcome rows
+per pool and turn, and a counted ``TokenIdMismatch`` error with its text for every cell that
+disagrees or cannot be checked.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .collectors import MismatchCollector
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +149,68 @@ def align_to_trainer(responses: Sequence[SampledResponse], trainer_ids: Sequence
     return Aligned(out, cells)
 
 
+def _by_pool(cells: Mapping[tuple[str, int], TokenAgreement]) -> dict[str, TokenAgreement]:
+    """Each pool's cell over its turns: sums of counts, never a mean of shares."""
+    by_pool: dict[str, TokenAgreement] = {}
+    for (pool, _), cell in sorted(cells.items()):
+        by_pool[pool] = by_pool.get(pool, TokenAgreement()).merge(cell)
+    return by_pool
+
+
 def agreement_report(cells: Mapping[tuple[str, int], TokenAgreement]) -> dict[str, float | None]:
     """Flat keys per pool and turn: ``mismatch/pool=<p>/turn=<t>/token_id_agreement`` and the
-    pool's total over its turns (sums of counts, never a mean of shares)."""
+    pool's total over its turns."""
     report: dict[str, float | None] = {}
-    by_pool: dict[str, TokenAgreement] = {}
     for (pool, turn), cell in sorted(cells.items()):
         report[f"mismatch/pool={pool}/turn={turn}/token_id_agreement"] = cell.agreement
-        by_pool[pool] = by_pool.get(pool, TokenAgreement()).merge(cell)
-    for pool, cell in by_pool.items():
+    for pool, cell in _by_pool(cells).items():
         report[f"mismatch/pool={pool}/token_id_agreement"] = cell.agreement
         report[f"mismatch/pool={pool}/sequences_with_token_id_difference"] = float(cell.n_sequences_differing)
     return report
+
+
+class TokenIdMismatch(ValueError):
+    """The trainer scores other tokens than the server sampled, or cannot check them."""
+
+
+def _findings(pool: str, turn: int, cell: TokenAgreement) -> list[TokenIdMismatch]:
+    out = []
+    if cell.n_sequences_differing:
+        out.append(TokenIdMismatch(
+            f"pool {pool} turn {turn}: {cell.n_sequences_differing} of {cell.n_sequences} sequences differ from "
+            f"the sampled token ids (first differing positions {cell.first_differences[:8]}); {cell.n_agree} of "
+            f"{cell.n_tokens} trainer tokens agree: a retokenized or misaligned response"))
+    if cell.n_unverified:
+        out.append(TokenIdMismatch(
+            f"pool {pool} turn {turn}: {cell.n_unverified} of {cell.n_sequences} sequences came without token "
+            "ids: the trainer's tokens cannot be checked against what was sampled"))
+    return out
+
+
+def log_agreement(collector: "MismatchCollector", step: int, cells: Mapping[tuple[str, int], TokenAgreement]) -> None:
+    """Keep a step's token-id agreement in the collector's run (call it before that step's
+    ``log_step``, so the step's error count includes what it finds).
+
+    * ``outcomes`` rows of ``step`` per pool: ``token_id_agreement`` (the pool's share over its
+      turns), ``token_id_agreement/turn=<t>`` per turn, and the counts a share over several steps
+      is merged from (``token_ids_compared``, ``token_ids_agreeing``) with
+      ``sequences_with_token_id_difference`` and ``sequences_without_token_ids``. An empty cell
+      has no share (null, not 0): its share row is left out, its counts are kept.
+    * each cell with a differing or unverifiable sequence: a counted :class:`TokenIdMismatch`
+      (``collector.log_error``), its text in the run's ``errors`` table (a critical finding,
+      shown by ``summary`` and the Overview; ``strict=True`` raises it).
+    """
+    for pool, total in _by_pool(cells).items():
+        values: dict[str, float] = {"token_ids_compared": float(total.n_tokens),
+                                    "token_ids_agreeing": float(total.n_agree),
+                                    "sequences_with_token_id_difference": float(total.n_sequences_differing),
+                                    "sequences_without_token_ids": float(total.n_unverified)}
+        if total.agreement is not None:
+            values["token_id_agreement"] = total.agreement
+        for (cell_pool, turn), cell in sorted(cells.items()):
+            if cell_pool == pool and cell.agreement is not None:
+                values[f"token_id_agreement/turn={turn}"] = cell.agreement
+        collector.log_outcomes(step, values, pool=pool)
+    for (pool, turn), cell in sorted(cells.items()):
+        for finding in _findings(pool, turn, cell):
+            collector.log_error(finding, step=step, where=f"step {step}: token-id agreement")
