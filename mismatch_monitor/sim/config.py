@@ -98,9 +98,6 @@ class SimConfig:
         if vllm and self.policy.head_dim < 32:
             raise ValueError(f"expected policy.head_dim >= 32 with vLLM pools {vllm} (vLLM's CPU attention), "
                              f"got {self.policy.head_dim}")
-        if vllm and self.policy.variant != "dense":
-            raise ValueError(f"expected a dense policy with vLLM pools {vllm} (MoE routing capture from vLLM "
-                             f"is not wired), got {self.policy.variant!r}")
         longest = 1 + len(self.task.preamble) + (self.task.max_length + 2) * (1 + self.task.turns) + 3 * self.task.turns
         if longest > self.policy.max_positions:
             raise ValueError(f"expected policy.max_positions >= {longest} for this task, got {self.policy.max_positions}")

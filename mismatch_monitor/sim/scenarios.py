@@ -127,8 +127,8 @@ def vllm_fleet(*, steps: int = 200, variant: Variant = "dense", seed: int = 0,
     (``stop_sync``: its syncs are skipped; ``sync_no_reset``: weights reload without the
     prefix-cache reset; ``wrong_weights``: it is sent the warm-start weights)."""
     if variant != "dense":
-        raise ValueError(f"expected variant 'dense' for vllm_fleet (MoE routing capture from vLLM is "
-                         f"not wired yet), got {variant!r}")
+        raise ValueError(f"expected variant 'dense' for vllm_fleet (its FP8 pool is not checked on MoE "
+                         f"experts; fp32 and bf16 vLLM pools serve a MoE policy with its routing), got {variant!r}")
     spec = FaultSpec(fault, steps // 2)
     pools = tuple(replace(p, faults=(spec,)) if p.name == "bf16" else p for p in vllm_pools(kv_fp8=kv_fp8))
     return SimConfig(seed=seed, pools=pools, policy=PolicyShape(variant=variant, **VLLM_POLICY),

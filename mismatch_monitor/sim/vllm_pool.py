@@ -8,7 +8,9 @@ weights_iterator=...)`` followed by ``reset_prefix_cache()``. A sync can skip th
 fleet fault: prompts whose prefix is cached keep the old weights' KV).
 
 Log-probs are vLLM's ``processed_logprobs`` of each sampled token: after temperature, top-k and
-top-p, renormalised over the kept set (what TRL's colocate mode uses). vllm is imported only in
+top-p, renormalised over the kept set (what TRL's colocate mode uses). With a MoE policy each
+token also carries the experts the engine's routers chose for the position that produced it
+(``vllm_routing``; the pool then generates one request at a time). vllm is imported only in
 this module, on the first engine.
 """
 
@@ -29,6 +31,7 @@ from .sampler import Rollout
 from .task import Episode
 from .tokenizer import CharTokenizer
 from .vllm_checkpoint import ENGINE_FORMAT, checkpoint_weights, write_model_dir
+from .vllm_routing import RouterCapture
 
 KV_CACHE_BYTES = 64 << 20
 # vLLM caches prompt prefixes in whole KV blocks; the CPU default (128 tokens) is longer than any
@@ -44,6 +47,28 @@ def _linear_methods(model: torch.nn.Module) -> dict[str, int]:
     """How many layers use each quantization method: what the engine really applied."""
     return dict(Counter(type(m.quant_method).__name__ for m in model.modules()
                         if getattr(m, "quant_method", None) is not None))
+
+
+_LIVE: set[int] = set()        # id() of this process's live pool engines
+
+
+def _shutdown(llm: Any) -> None:
+    """Stop one in-process engine. vLLM's ``EngineCore.shutdown`` also tears down the process's
+    distributed state (its parallel groups), which every in-process engine uses at each forward:
+    while another pool's engine is still live (an int8 pool's restart sync, a probe beside a
+    running fleet) that teardown is skipped; the last engine's close does it."""
+    from vllm.v1.engine import core
+
+    _LIVE.discard(id(llm))
+    if not _LIVE:
+        llm.llm_engine.engine_core.shutdown()
+        return
+    cleanup = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *args, **kwargs: None
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        core.cleanup_dist_env_and_memory = cleanup
 
 
 def _vllm() -> Any:
@@ -66,6 +91,7 @@ class VllmPoolSampler:
         self._config = config
         self._tokenizer = tokenizer
         self._llm: Any = None
+        self._routes: RouterCapture | None = None      # a MoE policy's routing, read from the routers
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.precision: str | None = None
         self.version = -1
@@ -94,6 +120,8 @@ class VllmPoolSampler:
                                      kwargs={"weights_iterator": checkpoint_weights(state, precision)})
             if reset_prefix_cache:
                 self._llm.reset_prefix_cache()
+            if self._routes is not None:
+                self._routes.bind(self._llm)
             self.sync_seconds.append(time.perf_counter() - t0)
             self._probe(precision, after="reload_weights")
         self._llm.llm_engine.set_weight_version(str(version))
@@ -113,6 +141,9 @@ class VllmPoolSampler:
                              max_model_len=self._config.max_position_embeddings,
                              logprobs_mode="processed_logprobs", seed=0, disable_log_stats=True)
         seconds = time.perf_counter() - t0
+        _LIVE.add(id(self._llm))
+        moe = getattr(self._config, "model_type", None) == "qwen3_moe"
+        self._routes = RouterCapture(self._llm, self._config.num_experts_per_tok) if moe else None
         self._probe(precision)
         torch.set_num_threads(threads)       # the CPU worker may bind its own thread count
         engine = self._llm.llm_engine.vllm_config
@@ -176,8 +207,7 @@ class VllmPoolSampler:
                                      seed=(seed + 7919 * turn + 104729 * i) % (1 << 31))
                       for i in range(len(episodes))]
             t0 = time.perf_counter()
-            outs = self._llm.generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params,
-                                      use_tqdm=False)
+            outs, experts = self._generate([TokensPrompt(prompt_token_ids=c) for c in contexts], params)
             self.generate_seconds += time.perf_counter() - t0
             for i, out in enumerate(outs):
                 done = out.outputs[0]
@@ -191,6 +221,8 @@ class VllmPoolSampler:
                 parts[i].append({"logprobs": logprobs, "kept_logmass": torch.full((n,), fill),
                                  "positions": torch.arange(len(contexts[i]), len(contexts[i]) + n),
                                  "turns": torch.full((n,), turn, dtype=torch.int64)})
+                if experts is not None:
+                    parts[i][-1]["experts"] = experts[i]
                 answers[i].append(tok.decode(new_ids))
                 contexts[i] = contexts[i] + new_ids
         if versions and versions != {str(self.version)}:
@@ -198,16 +230,29 @@ class VllmPoolSampler:
                                f"expected {self.version}")
         return [self._assemble(contexts[i], parts[i], answers[i]) for i in range(len(episodes))]
 
+    def _generate(self, prompts: list[Any], params: list[Any]) -> tuple[list[Any], list[torch.Tensor] | None]:
+        """The engine's outputs, and with a MoE policy each request's ``[n, L, K]`` experts: then
+        one request at a time, so that every routed row is that request's (``vllm_routing``)."""
+        if self._routes is None:
+            return self._llm.generate(prompts, params, use_tqdm=False), None
+        outs, experts = [], []
+        for prompt, param in zip(prompts, params):
+            self._routes.clear()
+            (out,) = self._llm.generate([prompt], param, use_tqdm=False)
+            outs.append(out)
+            experts.append(self._routes.produced(len(out.outputs[0].token_ids)))
+        return outs, experts
+
     def _assemble(self, ids: list[int], parts: list[dict[str, torch.Tensor]], answers: list[str]) -> Rollout:
         cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
         return Rollout(ids=ids, positions=cat["positions"], turns=cat["turns"],
-                       sampler_logprobs=cat["logprobs"], experts=None, kept=None,
+                       sampler_logprobs=cat["logprobs"], experts=cat.get("experts"), kept=None,
                        kept_logmass=cat["kept_logmass"], answers=answers, policy_version=self.version)
 
     def close(self) -> None:
         """Stop the engine and drop its model directory."""
         if self._llm is not None:
-            self._llm.llm_engine.engine_core.shutdown()
+            _shutdown(self._llm)
         self._llm = None
         if self._dir is not None:
             self._dir.cleanup()
