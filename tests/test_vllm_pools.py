@@ -1,14 +1,15 @@
 """Simulator pools served by real in-process vLLM engines, measured through the collector.
 
-One warm-started toy policy (module fixture); every pool is a real vLLM engine started from the
-trainer's weights. What is checked: each format's mismatch against the fp32 trainer, on the same
+One warm start for the module (``sim``: the faulted fleet, whose engines stay up while the probe
+starts and stops one engine per format beside them); every pool is a real vLLM engine started
+from the trainer's weights. What is checked: each format's mismatch against the fp32 trainer, on the same
 prompts, orders fp32 < fp16 < bf16 < (int8, fp8) and fp32 is at rounding level; a truncated
 pool's processed log-probs agree with the trainer's own renormalised top-p distribution; the
 engine reports the quantization it applied; a skipped sync and a sync without the prefix-cache
 reset each show in that pool only, and a resync (a real weight reload) restores it; a sync that
 breaks the weights (int8 reload_weights on the CPU) stops with the pool's name, and the int8
-pool's restart sync works. Runtime: 7.5 min on 2 cores at load average 11 (two warm starts and
-about fifteen engine starts); less on a quiet machine.
+pool's restart sync works beside the other live engines. Runtime: 2.3 min on 2 cores at load
+average 5 (one warm start, eleven engine starts); 7.5 min at load 11 with two warm starts.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm)")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"     # before the first engine
 os.environ["OMP_NUM_THREADS"] = "1"
 
-from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -48,9 +48,23 @@ def pool_report(report: dict[str, float], pool: str, key: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def probe(tmp_path_factory):
-    """Every format answers the same prompts once; the fp32 trainer scores; the collector reports."""
-    sim = Simulation(config((PoolSpec("base", precision="bf16"),)))     # a torch pool: no engine
+def sim():
+    """The module's one warm start (half of its time on 2 cores): three bf16 pools, a high
+    learning rate so weights move; from step 2 one pool's syncs are skipped and another's skip
+    the prefix-cache reset. Their engines start with it, on the weights before any update."""
+    pools = (vllm_pool("ok", "bf16", prompts=3),
+             vllm_pool("skip", "bf16", prompts=3, faults=(FaultSpec("stop_sync", 2),)),
+             vllm_pool("noreset", "bf16", prompts=3, faults=(FaultSpec("sync_no_reset", 2),)))
+    simulation = Simulation(config(pools, learning_rate=3e-3))
+    yield simulation
+    simulation.close()
+
+
+@pytest.fixture(scope="module")
+def probe(sim, tmp_path_factory):
+    """Every format answers the same prompts once, on the warm-started weights (no update yet:
+    ``faulted`` runs after this); the fp32 trainer scores; the collector reports."""
+    assert sim.trainer.version == 0
     pools = (vllm_pool("fp32", "fp32"), vllm_pool("fp16", "fp16"), vllm_pool("bf16", "bf16"),
              vllm_pool("int8", "int8"), vllm_pool("fp8", "fp8_e4m3"), vllm_pool("topp", "bf16", top_p=0.8))
     gen = torch.Generator().manual_seed(11)
@@ -92,13 +106,9 @@ def test_engines_report_what_they_applied(probe):
 
 
 @pytest.fixture(scope="module")
-def faulted(tmp_path_factory):
-    """Three bf16 pools, a high learning rate so weights move; from step 2 one pool's syncs are
-    skipped and another's skip the prefix-cache reset; both are resynced before step 5."""
-    pools = (vllm_pool("ok", "bf16", prompts=3),
-             vllm_pool("skip", "bf16", prompts=3, faults=(FaultSpec("stop_sync", 2),)),
-             vllm_pool("noreset", "bf16", prompts=3, faults=(FaultSpec("sync_no_reset", 2),)))
-    sim = Simulation(config(pools, learning_rate=3e-3))
+def faulted(sim, probe, tmp_path_factory):
+    """Six steps of ``sim`` (after the probe, which reads the weights before any update); the
+    skipped and the unreset pools are both resynced before step 4."""
     reports, versions = [], []
     with MismatchCollector(tmp_path_factory.mktemp("faults") / "run", pools=sim.pool_metadata()) as c:
         for out in sim.run(6):
@@ -107,9 +117,7 @@ def faulted(tmp_path_factory):
             if out.step == 3:
                 sim.resync("skip")
                 sim.resync("noreset")
-    events = list(sim.sync_events)
-    sim.close()
-    return reports, events
+    return reports, list(sim.sync_events)
 
 
 def test_faults_show_in_their_pool_only_and_resync_restores(faulted):
