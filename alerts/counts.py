@@ -86,8 +86,9 @@ class CountRise:
         base = f"{scope}:{prometheus_name(self.rate)}"
         w = f"prior_{self.window_steps}_steps_guard_{GUARD_STEPS}"
         c = f"last_{self.clear_steps}_steps"
-        return {"events": f"{base}:events", "trials": f"{base}:trials",
+        return {"events": f"{base}:events", "trials": f"{base}:trials", "events_sq": f"{base}:events_sq_per_trial",
                 "events_prior": f"{base}:events_{w}", "trials_prior": f"{base}:trials_{w}",
+                "events_sq_prior": f"{base}:events_sq_per_trial_{w}", "dispersion": f"{base}:dispersion_{w}",
                 "steps_prior": f"{base}:steps_{w}", "expected": f"{base}:expected_{w}",
                 "events_last": f"{base}:events_{c}", "expected_last": f"{base}:expected_{c}_at_{w}"}
 
@@ -95,7 +96,7 @@ class CountRise:
     def windows(self) -> dict[str, int]:
         names = self._names("pool")
         w = self.window_steps + GUARD_STEPS
-        return {names["events"] + INACTIVE: w, names["trials"] + INACTIVE: w,
+        return {names["events"] + INACTIVE: w, names["trials"] + INACTIVE: w, names["events_sq"] + INACTIVE: w,
                 names["events"]: self.clear_steps, names["trials"]: self.clear_steps}
 
     def derived(self, now: Snapshot, scope: Scope) -> dict[str, np.ndarray]:
@@ -103,31 +104,39 @@ class CountRise:
         names = self._names("pool")
         rate, total = now.get(self.rate), now.get(self.total)
         with np.errstate(all="ignore"):
-            return {names["events"]: rounded(rate * total), names["trials"]: np.where(np.isnan(rate), np.nan, total)}
+            events = rounded(rate * total)
+            return {names["events"]: events, names["trials"]: np.where(np.isnan(rate), np.nan, total),
+                    names["events_sq"]: events * events / total}
 
     def explain(self) -> str:
         return (f"events of `{self.rate}` x `{self.total}` > {self.factor:g} x the rate pooled over the "
                 f"{self.window_steps} steps before the last {GUARD_STEPS} (at least {self.min_points}; at least "
-                f"{self.min_rate:g}), Poisson z > "
-                f"{self.z:g}")
+                f"{self.min_rate:g}), Poisson z of the counts over the baseline's dispersion > {self.z:g}")
 
     def promql(self, scope: Scope, step_seconds: float) -> Expression:
         rate, total = _series(self.rate, scope), _series(self.total, scope)
         n = self._names(scope)
         window = _window(self.window_steps, step_seconds)
         last = f"[{duration((self.clear_steps - 0.5) * step_seconds)}]"
-        raised = f"({number(self.factor)} * {n['expected_last']})"
+        phi, prior_rate = n["dispersion"], self._rate_promql(n)
+        # counts divided by the dispersion: the quasi-Poisson scale of flips that cluster in steps
+        events, expected = f"({n['events']} / {phi})", f"({n['expected']} / {phi})"
+        events_last, raised = f"({n['events_last']} / {phi})", f"({number(self.factor)} * {n['expected_last']} / {phi})"
         return Expression(
             f"{n['events']} / {n['expected']} > {number(self.factor)} "
-            f"and {poisson_z_promql(n['events'], n['expected'])} > {number(self.z)} "
-            f"and {n['steps_prior']} >= {self.min_points}",
+            f"and {poisson_z_promql(events, expected)} > {number(self.z)} and {n['steps_prior']} >= {self.min_points}",
             statistic=f"{n['events']} / {n['expected']}",
-            clear=f"{poisson_lower_z_promql(n['events_last'], raised)} > {number(self.z)}",
+            clear=f"{poisson_lower_z_promql(events_last, raised)} > {number(self.z)}",
             recordings=(Recording(n["events"], f"round({rate} * {total})"),
                         Recording(n["trials"], f"{total} and {rate}"),
                         Recording(n["events_prior"], f"sum_over_time({n['events']}{INACTIVE}{window})"),
                         Recording(n["trials_prior"], f"sum_over_time({n['trials']}{INACTIVE}{window})"),
                         Recording(n["steps_prior"], f"count_over_time({n['trials']}{INACTIVE}{window})"),
+                        Recording(n["events_sq"], f"{n['events']} * {n['events']} / {n['trials']}"),
+                        Recording(n["events_sq_prior"], f"sum_over_time({n['events_sq']}{INACTIVE}{window})"),
+                        Recording(n["dispersion"],
+                                  f"clamp_min(({n['events_sq_prior']} / {prior_rate} - 2 * {n['events_prior']} + "
+                                  f"{n['trials_prior']} * {prior_rate}) / ({n['steps_prior']} - 1), 1)"),
                         Recording(n["expected"], f"{n['trials']} * {self._rate_promql(n)}"),
                         Recording(n["events_last"], f"sum_over_time({n['events']}{last})"),
                         Recording(n["expected_last"], f"sum_over_time({n['trials']}{last}) * {self._rate_promql(n)}")))
@@ -135,37 +144,45 @@ class CountRise:
     def _rate_promql(self, n: dict[str, str]) -> str:
         return f"clamp_min({n['events_prior']} / {n['trials_prior']}, {number(self.min_rate)})"
 
-    def _rate(self, past: Past, scope: Scope, pools: tuple[str, ...], step: int) -> tuple[np.ndarray, np.ndarray]:
-        """The baseline rate max(p0, min_rate) per pool, and the number of baseline steps."""
+    def _rate(self, past: Past, scope: Scope, pools: tuple[str, ...], step: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per pool: the baseline rate ``p = max(p0, min_rate)``, the number of baseline steps and
+        the dispersion ``phi = max(1, sum (k_i - n_i p)^2 / (n_i p) / (c - 1))``: Pearson's
+        chi-square of the baseline's counts per degree of freedom. Flips cluster (a token that
+        flips in one layer flips in others, some prompts route near ties), so step counts vary
+        more than Poisson; dividing counts by ``phi`` (quasi-Poisson) tests them on the scale of
+        their own step-to-step noise, and never below Poisson's."""
         names = self._names("pool")
-        prior_k = past.prior(names["events"] + INACTIVE, scope, pools, step - GUARD_STEPS, self.window_steps)
-        prior_n = past.prior(names["trials"] + INACTIVE, scope, pools, step - GUARD_STEPS, self.window_steps)
-        K = np.array([sequential_sum(p) for p in prior_k])
-        N = np.array([sequential_sum(p) for p in prior_n])
-        count = np.array([len(p) for p in prior_n])
+        K, N, Q = (np.array([sequential_sum(p) for p in past.prior(names[key] + INACTIVE, scope, pools,
+                                                                    step - GUARD_STEPS, self.window_steps)])
+                   for key in ("events", "trials", "events_sq"))
+        count = np.array([len(p) for p in past.prior(names["trials"] + INACTIVE, scope, pools, step - GUARD_STEPS,
+                                                     self.window_steps)])
         with np.errstate(all="ignore"):
-            return np.maximum(np.where(count > 0, K / N, np.nan), self.min_rate), count
+            rate = np.maximum(np.where(count > 0, K / N, np.nan), self.min_rate)
+            return rate, count, np.maximum((Q / rate - 2 * K + N * rate) / (count - 1), 1.0)
 
     def _parts(self, now: Snapshot, past: Past, scope: Scope, step: int
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Events and expected events of the step, baseline steps, dispersion."""
         names = self._names("pool")
         current = self.derived(now, scope)
-        rate, count = self._rate(past, scope, now.pools, step)
+        rate, count, phi = self._rate(past, scope, now.pools, step)
         with np.errstate(all="ignore"):
             expected = current[names["trials"]] * rate
-        return current[names["events"]], expected, count
+        return current[names["events"]], expected, count, phi
 
     excludes_active = True   # a step enters the baseline only while the alert is inactive
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
-        events, expected, count = self._parts(now, past, scope, step)
+        events, expected, count, phi = self._parts(now, past, scope, step)
         with np.errstate(all="ignore"):
             ratio = events / expected
-            hit = (ratio > self.factor) & (poisson_z(events, expected) > self.z) & (count >= self.min_points)
+            hit = (ratio > self.factor) & (poisson_z(events / phi, expected / phi) > self.z) & (count >= self.min_points)
         return np.where(hit, ratio, np.nan)
 
     def statistic(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
-        events, expected, _ = self._parts(now, past, scope, step)
+        events, expected, _, _ = self._parts(now, past, scope, step)
         with np.errstate(all="ignore"):
             return events / expected
 
@@ -180,15 +197,15 @@ class CountRise:
             prior = past.prior(names[key], scope, now.pools, step, self.clear_steps - 1)
             sums[key] = np.array([sequential_sum(p) + v if not np.isnan(v) else np.nan
                                   for p, v in zip(prior, current[names[key]])])
-        rate, _ = self._rate(past, scope, now.pools, step)
+        rate, _, phi = self._rate(past, scope, now.pools, step)
         with np.errstate(all="ignore"):
-            return poisson_lower_z(sums["events"], self.factor * (sums["trials"] * rate)) > self.z
+            return poisson_lower_z(sums["events"] / phi, self.factor * (sums["trials"] * rate) / phi) > self.z
 
     def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         """Pools observed this step whose size could not make a rise by ``factor`` significant."""
-        events, expected, count = self._parts(now, past, scope, step)
+        events, expected, count, phi = self._parts(now, past, scope, step)
         with np.errstate(all="ignore"):
-            powerless = ~(poisson_z(self.factor * expected, expected) > self.z)
+            powerless = ~(poisson_z(self.factor * expected / phi, expected / phi) > self.z)
         return ~np.isnan(events) & ((count < self.min_points) | powerless)
 
 

@@ -42,14 +42,16 @@ TAIL_GROWTH = AlertRule(
 
 KL_SPIKE = AlertRule(
     name="MismatchKLSpike",
-    condition=MeanRise("mismatch/k3_kl", TOKENS, factor=3.0, z=4.0, window_steps=50, min_points=20),
+    condition=MeanRise("mismatch/k3_kl", TOKENS, factor=3.0, z=4.0, window_steps=50, min_points=20,
+                       lr_max="mismatch/log_ratio/max", lr_min="mismatch/log_ratio/min"),
     for_steps=1,   # one step is not a spike
     severity="warning",
     fix="fp32_head",
     summary="k3 KL(mu||pi) of pool {pool} spiked to {value}x its rolling median",
     description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its token-weighted mean "
                  "over the {window} steps before the last two (threshold {threshold}x) for {held} steps, {z} standard "
-                 "errors or more above it (the window's scatter). Reported collapses start with such spikes."),
+                 "errors or more above it (the window's scatter, plus the step's own token variance: one outlying token "
+                 "is not a spike). Reported collapses start with such spikes."),
     runbook=("Compare the k3 of the pool's low-probability buckets with the rest: a spike carried by "
              "rare tokens points at the LM head precision (FP32 head, or matched precision for "
              "quantized pools). A spike together with staleness or a low ESS is policy lag: resync. "
@@ -73,14 +75,16 @@ LOW_ESS = AlertRule(
 
 DRIFT = AlertRule(
     name="MismatchDrift",
-    condition=PooledDrift("mismatch/log_ratio/mean", TOKENS, z=5.0, floor=1e-3, window_steps=20, min_points=20),
+    condition=PooledDrift("mismatch/log_ratio/mean", TOKENS, z=5.0, floor=1e-3, window_steps=20, min_points=20,
+                          baseline_steps=50, min_baseline=5),
     for_steps=0,   # the window already pools 20 steps
     severity="warning",
     fix="mask_replay",
-    summary="Signed mean log ratio of pool {pool} is {value} standard errors from zero",
-    description=("The mean of log pi - log mu over the tokens of pool {pool} in the last {window} steps is "
-                 "more than {threshold} standard errors (the steps' scatter) and {floor} away from zero: a "
-                 "systematic bias, not noise."),
+    summary="Signed mean log ratio of pool {pool} moved {value} standard errors from its own baseline",
+    description=("The mean of log pi - log mu over the tokens of pool {pool} in the last {window} steps moved "
+                 "more than {threshold} standard errors (the steps' scatter) and {floor} away from the pool's "
+                 "own mean over the steps before them: a bias that appeared or grew, not noise, and not the "
+                 "steady bias of the pool's precision."),
     runbook=("A constant offset with a tiny spread is the fingerprint of a sampler that reports "
              "log-probs after top-p/top-k truncation (shifted by log S): compare with the pool's mean "
              "kept log-mass, then replay the keep-mask or renormalise. A bias that grows with "
@@ -165,14 +169,17 @@ NON_FINITE = AlertRule(
 
 STEP_JUMP = AlertRule(
     name="MismatchStepJump",
-    condition=StepJump("mismatch/k3_kl", TOKENS, factor=10.0, floor=1e-4, min_tokens=200),
+    condition=StepJump("mismatch/k3_kl", TOKENS, "mismatch/abs_log_ratio/p90", "mismatch/abs_log_ratio/p99",
+                       factor=10.0, z=Z_COUNTS, floor=1e-4, baseline_steps=5),
     severity="critical",
     resync=True,
     fix="resync",
     summary="k3 KL of pool {pool} jumped {value}x in one step",
-    description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its value at the step "
-                 "before (threshold {threshold}x): no history needed, so a weight sync or a resume that "
-                 "went wrong shows at the step after it, from step 1."),
+    description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its token-pooled value over the "
+                 "{window} steps before (threshold {threshold}x; one earlier step is enough), and the jump is carried "
+                 "by many tokens: the step's p90 |log ratio| is above the largest p99 of those steps, more tokens "
+                 "above it than the baseline explains (z > {z}). A weight sync or a resume that went wrong shows "
+                 "at the step after it; one outlying token does not."),
     runbook=("A one-step jump right after a weight sync or a resume is a sync that did not apply: weights "
              "not loaded, the wrong version, a prefix cache that kept the old weights' KV. Resynchronise the "
              "pool (on_resync); if the jump stays after the resync, the cause is numeric, not lag: check the "

@@ -32,6 +32,24 @@ from .promql import series as _series
 from .significance import sequential_sum
 
 
+_SUMS = ("weighted", "weighted_sq", "trials")
+
+
+def token_term_max(lr_max: np.ndarray, lr_min: np.ndarray) -> np.ndarray:
+    """The largest per-token k3 term ``exp(lr) - 1 - lr`` of a step, from its extreme lr (the
+    term grows with |lr| on both sides). Since ``0 <= d <= d_max``, ``E[d^2] <= d_max E[d]``: a
+    step's own per-token variance of k3 is at most ``d_max x``, the bound a step carried by one
+    outlying token needs (the window's scatter does not see that token)."""
+    with np.errstate(all="ignore"):
+        high, low = np.exp(lr_max) - 1 - lr_max, np.exp(lr_min) - 1 - lr_min
+        return np.where(high >= low, high, low)
+
+
+def token_term_max_promql(lr_max: str, lr_min: str) -> str:
+    """:func:`token_term_max` in PromQL (same operations; ``or`` fills where high < low)."""
+    return f"(exp({lr_max}) - 1 - {lr_max} >= exp({lr_min}) - 1 - {lr_min}) or (exp({lr_min}) - 1 - {lr_min})"
+
+
 def _check(window_steps: int, min_points: int) -> None:
     if not (isinstance(window_steps, int) and window_steps >= 3):
         raise ValueError(f"expected integer window_steps >= 3, got {window_steps!r}")
@@ -47,7 +65,8 @@ class _Weighted:
     total: str
 
     def names(self, scope: Scope, window_steps: int, span: str = "prior") -> dict[str, str]:
-        """Recording names; ``span``: ``prior`` (the previous steps) or ``last`` (this one included)."""
+        """Recording names; ``span``: ``prior`` (the previous steps), ``last`` (this one included)
+        or ``before_W`` (the steps before the last ``W``)."""
         base = f"{scope}:{prometheus_name(self.mean)}"
         w = f"{span}_{window_steps}_steps" + (f"_guard_{GUARD_STEPS}" if span == "prior" else "")
         return {"weighted": f"{base}:weighted", "weighted_sq": f"{base}:weighted_sq", "trials": f"{base}:trials",
@@ -62,9 +81,10 @@ class _Weighted:
                     n["trials"]: np.where(np.isnan(x), np.nan, total)}
 
     def recordings(self, scope: Scope, window_steps: int, window: str, span: str) -> tuple[Recording, ...]:
+        """The window's sums read the copies kept while the alert is inactive, except ``last``."""
         x, total = _series(self.mean, scope), _series(self.total, scope)
         n = self.names(scope, window_steps, span)
-        src = {k: n[k] + (INACTIVE if span == "prior" else "") for k in ("weighted", "weighted_sq", "trials")}
+        src = {k: n[k] + (INACTIVE if span != "last" else "") for k in _SUMS}
         S, Q = f"sum_over_time({src['weighted']}{window})", f"sum_over_time({src['weighted_sq']}{window})"
         return (Recording(n["weighted"], f"{x} * {total}"),
                 Recording(n["weighted_sq"], f"{x} * {total} * {x}"),
@@ -106,8 +126,10 @@ class _OnWeighted:
 
 @dataclass(frozen=True)
 class MeanRise(_OnWeighted):
-    """``x / X > factor`` and ``(x - X) / sqrt(s^2 (1/n + 1/N)) > z`` with ``X``, ``s^2`` and ``N``
-    pooled over the previous ``window_steps`` steps (at least ``min_points``); value ``x / X``."""
+    """``x / X > factor`` and ``(x - X) / se > z`` with ``X``, ``s^2`` and ``N`` pooled over the
+    previous ``window_steps`` steps (at least ``min_points``), ``se^2 = s^2 (1/n + 1/N)``, plus
+    ``d_max x / n`` where ``lr_max``/``lr_min`` are given (k3: the step's own per-token variance
+    bound, :func:`token_term_max`); value ``x / X``."""
 
     mean: str
     total: str
@@ -115,13 +137,25 @@ class MeanRise(_OnWeighted):
     z: float
     window_steps: int
     min_points: int
+    lr_max: str | None = None
+    lr_min: str | None = None
 
     def __post_init__(self) -> None:
-        _check_metric(self.mean)
-        _check_metric(self.total)
+        for key in (self.mean, self.total) + self._extremes:
+            _check_metric(key)
+        if (self.lr_max is None) != (self.lr_min is None):
+            raise ValueError(f"expected both lr_max and lr_min or neither, got {self.lr_max!r}, {self.lr_min!r}")
         _positive("factor", self.factor)
         _positive("z", self.z)
         _check(self.window_steps, self.min_points)
+
+    @property
+    def _extremes(self) -> tuple[str, ...]:
+        return () if self.lr_max is None or self.lr_min is None else (self.lr_max, self.lr_min)
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.mean, self.total) + self._extremes
 
     @property
     def threshold(self) -> float:
@@ -130,23 +164,30 @@ class MeanRise(_OnWeighted):
     @property
     def windows(self) -> dict[str, int]:
         n = self._w.names("pool", self.window_steps)
-        return {n[k] + INACTIVE: self.window_steps + GUARD_STEPS for k in ("weighted", "weighted_sq", "trials")}
-
+        return {n[k] + INACTIVE: self.window_steps + GUARD_STEPS for k in _SUMS}
 
     def explain(self) -> str:
+        own = ", plus the step's own token variance bound" if self._extremes else ""
         return (f"`{self.mean}` > {self.factor:g} x its token-weighted mean over {self.window_steps} steps before the "
-                f"last {GUARD_STEPS} (at least {self.min_points}), z > {self.z:g} against their token-weighted scatter")
+                f"last {GUARD_STEPS} (at least {self.min_points}), z > {self.z:g} against their token-weighted "
+                f"scatter{own}")
 
     def promql(self, scope: Scope, step_seconds: float) -> Expression:
         x, total = _series(self.mean, scope), _series(self.total, scope)
         n = self._w.names(scope, self.window_steps)
         window = (f"[{duration((self.window_steps - 0.5) * step_seconds)}] "
                   f"offset {duration((GUARD_STEPS + 1) * step_seconds)}")
-        se = f"sqrt({n['scatter']} * (1 / {total} + 1 / {n['tokens']}))"
+        recordings = self._w.recordings(scope, self.window_steps, window, "prior")
+        own = ""
+        if self._extremes:
+            bound = f"{scope}:{prometheus_name(self.mean)}:token_term_max"
+            recordings += (Recording(bound, token_term_max_promql(*(_series(k, scope) for k in self._extremes))),)
+            own = f" + {bound} * {x} / {total}"
+        se = f"sqrt({n['scatter']} * (1 / {total} + 1 / {n['tokens']}){own})"
         return Expression(
             f"{x} / {n['pooled']} > {number(self.factor)} and ({x} - {n['pooled']}) / {se} > {number(self.z)} "
             f"and {n['steps']} >= {self.min_points}",
-            self._w.recordings(scope, self.window_steps, window, "prior"),
+            recordings,
             statistic=f"{x} / {n['pooled']}",
             clear=f"({number(self.factor)} * {n['pooled']} - {x}) / {se} > {number(self.z)}")
 
@@ -154,11 +195,14 @@ class MeanRise(_OnWeighted):
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         names = self._w.names("pool", self.window_steps)
         prior = {k: past.prior(names[k] + INACTIVE, scope, now.pools, step - GUARD_STEPS, self.window_steps)
-                 for k in ("weighted", "weighted_sq", "trials")}
+                 for k in _SUMS}
         X, s2, N, c = self._w.pooled(prior)
         x, n = now.get(self.mean), now.get(self.total)
         with np.errstate(all="ignore"):
-            se = np.sqrt(s2 * (1 / n + 1 / N))
+            var = s2 * (1 / n + 1 / N)
+            if self._extremes:
+                var = var + token_term_max(*(now.get(k) for k in self._extremes)) * x / n
+            se = np.sqrt(var)
         return x, X, se, c
 
     excludes_active = True   # a step enters the baseline only while the alert is inactive
@@ -191,8 +235,15 @@ class MeanRise(_OnWeighted):
 
 @dataclass(frozen=True)
 class PooledDrift(_OnWeighted):
-    """``|X| / sqrt(s^2 / N) > z`` and ``|X| > floor`` with ``X``, ``s^2``, ``N`` pooled over the
-    last ``window_steps`` steps, this one included (at least ``min_points``); value: the z-score."""
+    """A change of the signed mean: ``|X - B| / sqrt(s^2 / N + t^2 / M) > z`` and ``|X - B| > floor``,
+    with ``X``, ``s^2``, ``N`` pooled over the last ``window_steps`` steps (this one included, at
+    least ``min_points``) and ``B``, ``t^2``, ``M`` over the ``baseline_steps`` steps before them
+    (steps while the alert was inactive, at least ``min_baseline``); value: the z-score.
+
+    Against the pool's own earlier mean, not zero: a pool whose bias is its precision's (an INT4
+    or FP8 sampler) is steadily at its own level and never fires; a bias that appears or grows
+    does. A bias present from the first step is that pool's baseline (the k3 and outlier rules
+    and its expected level describe it)."""
 
     mean: str
     total: str
@@ -200,6 +251,8 @@ class PooledDrift(_OnWeighted):
     floor: float
     window_steps: int
     min_points: int
+    baseline_steps: int = 50
+    min_baseline: int = 5
 
     def __post_init__(self) -> None:
         _check_metric(self.mean)
@@ -207,40 +260,58 @@ class PooledDrift(_OnWeighted):
         _positive("z", self.z)
         _non_negative("floor", self.floor)
         _check(self.window_steps, self.min_points)
+        _check(self.baseline_steps, self.min_baseline)
+
+    excludes_active = True   # the baseline takes a step only while the alert is inactive
 
     @property
     def threshold(self) -> float:
         return self.z
 
+    def _spans(self, scope: Scope) -> tuple[dict[str, str], dict[str, str]]:
+        return (self._w.names(scope, self.window_steps, "last"),
+                self._w.names(scope, self.baseline_steps, f"before_{self.window_steps}"))
+
     @property
     def windows(self) -> dict[str, int]:
-        n = self._w.names("pool", self.window_steps)
-        return {n[k]: self.window_steps for k in ("weighted", "weighted_sq", "trials")}
-
+        recent, base = self._spans("pool")
+        return {**{recent[k]: self.window_steps for k in _SUMS},
+                **{base[k] + INACTIVE: self.window_steps + self.baseline_steps for k in _SUMS}}
 
     def explain(self) -> str:
-        return (f"\\|token-weighted `{self.mean}` over the last {self.window_steps} steps\\| > {self.z:g} standard "
-                f"errors (their scatter; at least {self.min_points} steps), and > {self.floor:g}")
+        return (f"\\|token-weighted `{self.mean}` over the last {self.window_steps} steps minus the same over the "
+                f"{self.baseline_steps} steps before them\\| > {self.z:g} standard errors (their scatters; at least "
+                f"{self.min_points} and {self.min_baseline} steps), and > {self.floor:g}")
 
     def promql(self, scope: Scope, step_seconds: float) -> Expression:
-        n = self._w.names(scope, self.window_steps, "last")
-        window = f"[{duration((self.window_steps - 0.5) * step_seconds)}]"
-        mean = f"abs({n['pooled']})"
+        recent, base = self._spans(scope)
+        last = f"[{duration((self.window_steps - 0.5) * step_seconds)}]"
+        before = (f"[{duration((self.baseline_steps - 0.5) * step_seconds)}] "
+                  f"offset {duration(self.window_steps * step_seconds)}")
+        shift = f"abs({recent['pooled']} - {base['pooled']})"
+        se = f"sqrt({recent['scatter']} / {recent['tokens']} + {base['scatter']} / {base['tokens']})"
         return Expression(
-            f"{mean} / sqrt({n['scatter']} / {n['tokens']}) > {number(self.z)} and {mean} > {number(self.floor)} "
-            f"and {n['steps']} >= {self.min_points} and {_series(self.mean, scope)}",
-            self._w.recordings(scope, self.window_steps, window, "last"))
+            f"{shift} / {se} > {number(self.z)} and {shift} > {number(self.floor)} "
+            f"and {recent['steps']} >= {self.min_points} and {base['steps']} >= {self.min_baseline} "
+            f"and {_series(self.mean, scope)}",
+            self._w.recordings(scope, self.window_steps, last, "last")
+            + self._w.recordings(scope, self.baseline_steps, before, f"before_{self.window_steps}"))
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
-        names = self._w.names("pool", self.window_steps)
+        recent, base = self._spans("pool")
         current = self._w.derived(now)
-        values = {}
-        for k in ("weighted", "weighted_sq", "trials"):
-            prior = past.prior(names[k], scope, now.pools, step, self.window_steps - 1)
-            values[k] = [np.append(p, v) if not np.isnan(v) else p for p, v in zip(prior, current[names[k]])]
+        values, baseline = {}, {}
+        for k in _SUMS:
+            prior = past.prior(recent[k], scope, now.pools, step, self.window_steps - 1)
+            values[k] = [np.append(p, v) if not np.isnan(v) else p for p, v in zip(prior, current[recent[k]])]
+            baseline[k] = past.prior(base[k] + INACTIVE, scope, now.pools, step - self.window_steps + 1,
+                                     self.baseline_steps)
         X, s2, N, c = self._w.pooled(values)
+        B, t2, M, d = self._w.pooled(baseline)
         with np.errstate(all="ignore"):
-            z = np.abs(X) / np.sqrt(s2 / N)
+            shift = np.abs(X - B)
+            z = shift / np.sqrt(s2 / N + t2 / M)
             # observed this step: a pool that stopped reporting is not judged on its past alone
-            hit = (z > self.z) & (np.abs(X) > self.floor) & (c >= self.min_points) & ~np.isnan(now.get(self.mean))
+            hit = ((z > self.z) & (shift > self.floor) & (c >= self.min_points) & (d >= self.min_baseline)
+                   & ~np.isnan(now.get(self.mean)))
         return np.where(hit, z, np.nan)

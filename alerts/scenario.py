@@ -37,6 +37,10 @@ HEALTHY: dict[str, dict[str, float]] = {
     # sizes: the count and mean tests weigh each step by them
     "mismatch/n_tokens": {"bf16": 8000.0, "fp8": 4000.0, "int4": 2000.0, "tpu": 1000.0},
     "mismatch/abs_log_ratio/p999": {"bf16": 0.04, "fp8": 0.1, "int4": 0.16, "tpu": 0.06},
+    "mismatch/abs_log_ratio/p90": {"bf16": 0.01, "fp8": 0.025, "int4": 0.04, "tpu": 0.015},
+    # the largest token's k3 term bounds a step's own variance (KL spike); healthy: small
+    "mismatch/log_ratio/max": {"bf16": 0.03, "fp8": 0.08, "int4": 0.12, "tpu": 0.05},
+    "mismatch/log_ratio/min": {"bf16": -0.03, "fp8": -0.08, "int4": -0.12, "tpu": -0.05},
     "mismatch/routing/decisions": {"bf16": 32000.0, "fp8": 16000.0},
 }
 WOBBLES = {"mismatch/abs_log_ratio/p99", "mismatch/k3_kl", "mismatch/extreme_fraction",
@@ -55,6 +59,8 @@ class Incident:
 INCIDENTS: tuple[Incident, ...] = (
     # a weight sync that fails at step 2: k3 jumps 20x from the first steps, before any baseline
     Incident("MismatchStepJump", "fp8", "mismatch/k3_kl", 1.2e-2, range(2, 6)),
+    # ... carried by the whole distribution: p90 above the p99 of the steps before
+    Incident("MismatchStepJump", "fp8", "mismatch/abs_log_ratio/p90", 0.2, range(2, 6)),
     Incident("MismatchDrift", "fp8", "mismatch/log_ratio/mean", -4e-3, range(10, 41)),
     Incident("MismatchRoutingFlipRise", "bf16", "mismatch/routing/flip_rate", 0.2, range(20, 24)),
     Incident("MismatchTailGrowth", "int4", "mismatch/abs_log_ratio/p99", 0.3, range(30, 36)),

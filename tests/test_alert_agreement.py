@@ -4,7 +4,7 @@ rendered rules) fires exactly the alerts the in-process evaluator fires, at the 
 The history is 64 steps of three sampler pools (768 tokens each: enough for the tail test to
 decide) with incidents injected into the log-probs after the 20 steps the KL baseline needs:
 tail growth and a KL spike (one pool's noise x4, also an outlier among pools against its own
-ratio), a low ESS, a constant offset (drift), extreme ratios, more routing flips, stale weights,
+ratio), a low ESS, a constant offset from step 28 on (drift against the pool's own earlier mean), extreme ratios, more routing flips, stale weights,
 NaN log-probs and a pool that stops reporting. Every rule is checked at every step. Runtime:
 about 10 s.
 """
@@ -28,7 +28,7 @@ from external_tools import needs
 
 STEPS = 64
 SEQS, TOKENS, LAYERS = 16, 48, 4
-DRIFT_STEPS = range(5, 41)
+DRIFT_STEPS = range(28, STEPS)   # after the 25 steps the drift rule needs (its window and a baseline)
 
 
 @dataclass(frozen=True)
