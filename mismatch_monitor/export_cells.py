@@ -19,7 +19,7 @@ import pandas as pd
 from .config import MetricConfig
 from .engine import MismatchStats
 from .engine.fields import merge_rules
-from .engine.stats import merge_column
+from .engine.groupby import group, merge_columns
 from .label_limits import texts_of
 from .metrics import GroupMetrics, report_by_label
 from .report_keys import OTHER_TEXT, label_text
@@ -83,29 +83,29 @@ def cells_of(stats: MismatchStats, admission: Admission) -> Cells:
         capped = admission.capped(dim, every, np.array([tokens.get(t, 0.0) for t in every]))
         mapping[dim] = dict(zip(every, capped))
         merged[dim] = sum(c == OTHER_TEXT for c in capped)
-    index: dict[Cell, int] = {}
-    cell_codes = {}
-    for table in TABLES:
-        (pc, pt), (hc, ht) = coded[table]["pool"], coded[table]["hardware"]
-        pair, inverse = np.unique(pc * len(ht) + hc, return_inverse=True)   # distinct (pool, hw) rows
-        ids = [index.setdefault((mapping["pool"][pt[p // len(ht)]], mapping["hardware"][ht[p % len(ht)]]),
-                                len(index)) for p in pair.tolist()]
-        cell_codes[table] = np.asarray(ids, dtype=np.int64)[inverse.reshape(-1)]
-    C = len(index)
-    merged_tokens = _merged(tok, "tokens", cell_codes["tokens"], C)
+    # every table's rows coded by their capped texts' positions in one sorted list per dimension
+    texts = {d: sorted(set(mapping[d].values())) for d in DIMS}
+    position = {d: {t: i for i, t in enumerate(texts[d])} for d in DIMS}
+    parts = [{d: np.array([position[d][mapping[d][t]] for t in coded[table][d][1]], dtype=np.int64)[coded[table][d][0]]
+              for d in DIMS} for table in TABLES]
+    cells = group(parts, DIMS)
+    C = cells.size
+    tok_codes, seq_codes, hist_codes = cells.codes
+    merged_tokens = merge_columns(_numbers(tok, "tokens"), merge_rules("tokens"), tok_codes, C)
     seq = stats.tables["sequences"]
-    merged_seq = _merged(seq, "sequences", cell_codes["sequences"], C)
-    present = np.bincount(cell_codes["sequences"], minlength=C) > 0
+    merged_seq = merge_columns(_numbers(seq, "sequences"), merge_rules("sequences"), seq_codes, C)
+    present = np.bincount(seq_codes, minlength=C) > 0
     hist = stats.tables["abs_hist"]
-    bins = hist["bin"].to_numpy(np.int64)
-    span = int(bins.max()) + 1 if len(bins) else 1
-    rows, inverse = np.unique(cell_codes["abs_hist"] * span + bins, return_inverse=True)
-    counts = merge_column(hist["count"].to_numpy(), "sum", inverse.reshape(-1), len(rows))
-    return Cells(list(index), merged_tokens, merged_seq, present, rows // span, rows % span, counts, merged)
+    rows = group([{"cell": hist_codes, "bin": hist["bin"].to_numpy(np.int64)}], ["cell", "bin"])
+    counts = merge_columns({"count": hist["count"].to_numpy()}, {"count": "sum"}, rows.codes[0], rows.size)["count"]
+    keys = [(texts["pool"][p], texts["hardware"][h])
+            for p, h in zip(np.asarray(cells.values["pool"]).tolist(), np.asarray(cells.values["hardware"]).tolist())]
+    return Cells(keys, merged_tokens, merged_seq, present, np.asarray(rows.values["cell"]),
+                 np.asarray(rows.values["bin"]), counts, merged)
 
 
-def _merged(df: pd.DataFrame, table: str, codes: np.ndarray, C: int) -> dict[str, np.ndarray]:
-    return {col: merge_column(df[col].to_numpy(), rule, codes, C) for col, rule in merge_rules(table).items()}
+def _numbers(df: pd.DataFrame, table: str) -> dict[str, np.ndarray]:
+    return {col: df[col].to_numpy() for col in merge_rules(table)}
 
 
 def slice_metrics(cells: Cells, config: MetricConfig) -> tuple[list[dict[str, str]], GroupMetrics]:

@@ -20,7 +20,7 @@ import pandas as pd
 
 from .config import MetricConfig
 from .engine.fields import merge_rules
-from .engine.stats import merge_column, merge_total
+from .engine.groupby import columns_of, group, merge_columns
 from .engine.histogram import QUANTILES, LogBins, quantiles_from_counts
 from .formulas import evaluate
 from .metric_defs import DEFAULT_FORMAT, METRICS, VIEW_METRICS, Metric, Unit
@@ -60,42 +60,15 @@ def prometheus_name(key: str) -> str:
     return name
 
 
-def _columns(frame: pd.DataFrame) -> dict[str, np.ndarray]:
-    """Columns as numpy arrays: metric functions do plain array arithmetic (pandas' per-operation
-    overhead would dominate on frames of a few rows)."""
-    return {c: frame[c].to_numpy() for c in frame.columns}
-
-
-def _shared_codes(a: pd.Series, b: pd.Series) -> tuple[np.ndarray, int]:
-    """Codes of ``a`` then ``b`` (equal values, nulls included, share a code) and their count.
-    A categorical ``b`` (a long histogram) is coded through its categories, not row by row."""
-    if isinstance(b.dtype, pd.CategoricalDtype) and not isinstance(a.dtype, pd.CategoricalDtype):
-        a_codes, uniques = pd.factorize(a, use_na_sentinel=False)
-        lookup = pd.Index(uniques).get_indexer(b.cat.categories)        # -1: not among a's values
-        nulls = np.flatnonzero(pd.isna(uniques))
-        b_codes = b.cat.codes.to_numpy()
-        mapped = np.full(len(b_codes), nulls[0] if len(nulls) else -1, dtype=np.int64)
-        valued = b_codes >= 0
-        mapped[valued] = lookup[b_codes[valued]]
-        radix = len(uniques) + 1
-        return np.concatenate([a_codes, np.where(mapped >= 0, mapped, radix - 1)]), radix
-    codes, uniques = pd.factorize(pd.concat([a, b], ignore_index=True), use_na_sentinel=False)
-    return codes, len(uniques)
-
-
 def _row_of(keys: pd.DataFrame, other: pd.DataFrame, by: list[str]) -> np.ndarray:
     """For each row of ``other``, the row of ``keys`` with the same ``by`` values (-1: none).
     ``keys`` rows are distinct; nulls match nulls (as in the SQL layer's GROUP BY)."""
-    n = len(keys)
     if not by:
-        return np.zeros(len(other), dtype=np.int64) if n else np.full(len(other), -1)
-    code = np.zeros(n + len(other), dtype=np.int64)
-    for k in by:  # loop over key columns, not rows
-        col_codes, radix = _shared_codes(keys[k], other[k])
-        code = pd.factorize(code * radix + col_codes)[0]
-    position = np.full(int(code.max()) + 1, -1)
-    position[code[:n]] = np.arange(n)
-    return position[code[n:]]
+        return np.zeros(len(other), dtype=np.int64) if len(keys) else np.full(len(other), -1)
+    groups = group([columns_of(keys[by]), columns_of(other[by])], by, within=0)
+    position = np.full(groups.size, -1)
+    position[groups.codes[0]] = np.arange(len(keys))
+    return np.where(groups.codes[1] >= 0, position[groups.codes[1]], -1)
 
 
 def _token_values(tok: Mapping[str, np.ndarray], n: int) -> dict[str, np.ndarray]:
@@ -134,7 +107,7 @@ def derive(tokens: Frame, sequences: Frame | None = None, abs_hist: Frame | None
     by = list(by)
     keys = tokens[by].reset_index(drop=True) if by else pd.DataFrame(index=range(len(tokens)))
     n = len(keys)
-    values = _token_values(_columns(tokens), n)
+    values = _token_values(columns_of(tokens), n)
     joined = None
     # sequences span turns: a turn-sliced row has no sequence-level value
     if sequences is not None and n and "turn_bucket" not in by:
@@ -181,39 +154,13 @@ class GroupMetrics:
         return pd.concat([keys, metrics], axis=1)
 
 
-def _label_codes(cols: Mapping[str, object], n: int, dim: str, index: dict[str | None, int] | None
-                 ) -> tuple[np.ndarray, list[str | None]]:
-    """Group code of each of ``n`` rows by its ``dim`` label. With ``index`` (label -> code),
-    labels outside it get -1; without, codes follow the labels found (returned: sorted, null last)."""
-    if dim not in cols:
-        found: list[str | None] = [None]
-        codes = np.zeros(n, dtype=np.int64)
-    else:
-        codes, uniques = pd.factorize(cols[dim], use_na_sentinel=False)
-        found = [None if pd.isna(u) else str(u) for u in uniques]
-    if index is None:
-        order = sorted(found, key=lambda v: (v is None, v or ""))
-        index = {v: i for i, v in enumerate(order)}
-        found_codes = np.array([index[v] for v in found], dtype=np.int64)
-        return found_codes[codes] if len(codes) else codes, order
-    found_codes = np.array([index.get(v, -1) for v in found], dtype=np.int64)
-    return (found_codes[codes] if len(codes) else codes), list(index)
-
-
-def _grouped(cols: Mapping[str, object], table: str, codes: np.ndarray, G: int) -> dict[str, np.ndarray]:
-    """Merged columns of ``table`` per group code (rows with code -1 are in no group), followed
-    by one more entry merging every row: [G + 1] each, merged by the column's rule (the engine's
-    own merge, column by column)."""
-    keep = codes >= 0
-    kept = codes[keep]
-    out: dict[str, np.ndarray] = {}
-    for col, rule in merge_rules(table).items():
-        values = np.asarray(cols[col])
-        acc = np.empty(G + 1)
-        acc[:G] = merge_column(values[keep], rule, kept, G)
-        acc[G] = merge_total(values, rule)[0]
-        out[col] = acc
-    return out
+def _with_total(cols: Mapping[str, object], table: str, codes: np.ndarray, G: int) -> dict[str, np.ndarray]:
+    """Merged columns of ``table`` per group code [G], followed by the merge of every row: [G + 1]
+    float64 each (exact for counts below 2^53)."""
+    rules = merge_rules(table)
+    grouped = merge_columns(cols, rules, codes, G)
+    whole = merge_columns(cols, rules, np.zeros(len(codes), dtype=np.int64), 1)
+    return {c: np.concatenate([grouped[c], whole[c]]).astype(np.float64) for c in rules}
 
 
 def config_for(stats, config: MetricConfig | None, reader: str = "report") -> MetricConfig:
@@ -233,8 +180,9 @@ def config_for(stats, config: MetricConfig | None, reader: str = "report") -> Me
 def report_by_label(stats, dim: str = "pool", config: MetricConfig | None = None
                     ) -> tuple[GroupMetrics, GroupMetrics]:
     """Metrics of every value of one label dimension, and of the whole step: the same values
-    as ``report(stats, [dim])`` and ``report(stats)``, without the general group-by (the
-    collector reports every step). Sums are float64 (exact for counts below 2^53).
+    as ``report(stats, [dim])`` and ``report(stats)``, from one group-by of the three tables'
+    columns with no frame built in between (the collector reports every step). Sums are
+    float64 (exact for counts below 2^53).
     ``config``: see :func:`config_for`."""
     config = config_for(stats, config, "report_by_label")
     if dim not in stats.dims:
@@ -243,26 +191,26 @@ def report_by_label(stats, dim: str = "pool", config: MetricConfig | None = None
     if rows["tokens"] == 0:
         empty = {k: np.zeros(0) for k in METRIC_BY_KEY}
         return GroupMetrics(dim, (), empty), GroupMetrics(None, (), dict(empty))
-    tokens, sequences, hist = (stats.columns(t) for t in METRIC_TABLES)
-    codes, labels = _label_codes(tokens, rows["tokens"], dim, None)
-    index = {v: i for i, v in enumerate(labels)}
-    G = len(labels)
-    tok = _grouped(tokens, "tokens", codes, G)
+    tokens, sequences, hist = (columns_of(stats.tables[t]) for t in METRIC_TABLES)
+    groups = group([tokens, sequences, hist], [dim], within=0)    # the labels the tokens have
+    labels = [None if pd.isna(v) else str(v) for v in groups.values[dim]]
+    G = groups.size
+    tok_codes, seq_codes, hist_codes = groups.codes
+    # each group, then one more merging every row: the whole step
+    tok = _with_total(tokens, "tokens", tok_codes, G)
     values = _token_values(tok, G + 1)
-    seq_codes, _ = _label_codes(sequences, rows["sequences"], dim, index)
-    seq = _grouped(sequences, "sequences", seq_codes, G)
+    seq = _with_total(sequences, "sequences", seq_codes, G)
     present = np.bincount(seq_codes[seq_codes >= 0], minlength=G + 1) > 0
     present[G] = rows["sequences"] > 0
     for column in seq.values():
         column[~present] = np.nan         # a group without sequence rows: no sequence value
     values.update(_sequence_values(seq, G + 1))
-    hist_codes, _ = _label_codes(hist, rows["abs_hist"], dim, index)
     hit = hist_codes >= 0
     bins, counts = np.asarray(hist["bin"]), np.asarray(hist["count"])
-    group = np.concatenate([hist_codes[hit], np.full(rows["abs_hist"], G)])   # then every row: the total
+    group_of = np.concatenate([hist_codes[hit], np.full(rows["abs_hist"], G)])   # then every row: the total
     bins = np.concatenate([bins[hit], bins])
     counts = np.concatenate([counts[hit], counts])
-    values.update(_quantile_values(group, bins, counts, values["mismatch/abs_log_ratio/max"], config))
+    values.update(_quantile_values(group_of, bins, counts, values["mismatch/abs_log_ratio/max"], config))
     by = GroupMetrics(dim, tuple(labels), {k: v[:G] for k, v in values.items()})
     total = GroupMetrics(None, (None,), {k: v[G:] for k, v in values.items()})
     return by, total

@@ -102,7 +102,7 @@ def compute_stats_with_sequences(batch: TokenBatch, config: MetricConfig | None 
     B = batch.num_sequences
     values = SequenceValues(max_abs_lr=on_device.seq_max_abs[:B], sum_lr=on_device.seq_sum_lr[:B],
                             n_valid=device_cells.seq_length - on_device.seq_invalid[:B])
-    return MismatchStats(tables, tuple(dims), config.stats_parameters(), arrays), values
+    return MismatchStats(tables, tuple(dims), config.stats_parameters()), values
 
 
 def _on_host(acc: TokenAccumulators, cells: Cells, batch: TokenBatch, routing: list[torch.Tensor]

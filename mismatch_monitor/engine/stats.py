@@ -17,6 +17,7 @@ import pandas as pd
 from ..batch import STANDARD_DIMENSIONS
 from ..config import MetricConfig, StatsParameters, parameter_differences
 from .fields import LENGTH_KEY, TABLES, TOKEN_CELL_TABLES, TURN_KEY, merge_rules
+from .groupby import columns_of, group, merge_columns
 
 
 def key_columns(table: str, dims: Sequence[str]) -> list[str]:
@@ -42,25 +43,13 @@ class MismatchStats:
     tables: dict[str, pd.DataFrame]
     dims: tuple[str, ...] = field(default=STANDARD_DIMENSIONS)
     params: StatsParameters | None = field(default=None, compare=False)
-    # the arrays the engine built some tables from (the same values as the frames): reading
-    # columns here skips pandas' per-column overhead, which the collector pays every step
-    arrays: dict[str, dict[str, object]] = field(default_factory=dict, compare=False, repr=False)
 
     def __getitem__(self, table: str) -> pd.DataFrame:
         return self.tables[table]
 
     def column(self, table: str, name: str) -> np.ndarray:
-        """One value column as a numpy array (the cached array when there is one)."""
-        cached = self.arrays.get(table)
-        return np.asarray(cached[name]) if cached is not None else self.tables[table][name].to_numpy()
-
-    def columns(self, table: str) -> Mapping[str, object]:
-        """Column name -> array of one table (numpy, or a pandas extension array for labels)."""
-        cached = self.arrays.get(table)
-        if cached is not None:
-            return cached
-        return {c: s.array if isinstance(s.dtype, pd.api.extensions.ExtensionDtype) else s.to_numpy()
-                for c, s in self.tables[table].items()}
+        """One value column as a numpy array (without building a Series: see ``columns_of``)."""
+        return np.asarray(columns_of(self.tables[table], [name])[name])
 
     def check_parameters(self, config: MetricConfig, reader: str) -> None:
         """Raise unless ``config`` has the parameters these statistics were computed under (or
@@ -114,76 +103,19 @@ def _group(df: pd.DataFrame, table: str, by: list[str]) -> pd.DataFrame:
     rules = merge_rules(table)
     keys = [k for k in df.columns if k not in rules]
     group_keys = [k for k in keys if k in by or k in TABLES[table][0]]
-    if not group_keys:
-        # a grand total: one row, or none when nothing was observed
-        if len(df) == 0:
-            return df[list(rules)].iloc[0:0].reset_index(drop=True)
-        return pd.DataFrame({c: merge_total(df[c].to_numpy(), r) for c, r in rules.items()})
+    if not group_keys and len(df) == 0:
+        return df[list(rules)].iloc[0:0].reset_index(drop=True)     # a grand total of nothing: no row
     return aggregate(df, group_keys, rules)
 
 
 def aggregate(df: pd.DataFrame, keys: list[str], rules: dict[str, str]) -> pd.DataFrame:
     """Group by ``keys`` (nulls are a group, groups in key order) and merge every value column
-    by its rule, with numpy on factorised keys (pandas' groupby costs milliseconds per call on
-    string keys, and the collector merges every step)."""
-    n = len(df)
-    code = np.zeros(n, dtype=np.int64)
-    for k in keys:  # loop over key columns, not rows
-        col_codes, uniques = pd.factorize(df[k], sort=True, use_na_sentinel=False)
-        code = code * len(uniques) + col_codes
-        code = pd.factorize(code, sort=True)[0]      # stay dense: no overflow with many keys
-    groups, first, inverse = np.unique(code, return_index=True, return_inverse=True)
-    G = len(groups)
+    by its rule (``groupby``: numpy on factorised keys; pandas' groupby costs milliseconds per
+    call on string keys, and the collector merges every step)."""
+    cols = columns_of(df, keys + list(rules))
+    groups = group([cols], keys)
     # build every column first and the frame once: setting columns one by one costs more
-    data: dict[str, object] = {k: df[k].array.take(first) for k in keys}
-    for col, rule in rules.items():
-        data[col] = merge_column(df[col].to_numpy(), rule, inverse, G)
-    return pd.DataFrame(data)
-
-
-def logsumexp_by(values: np.ndarray, group: np.ndarray, G: int) -> np.ndarray:
-    """log sum exp(values) per group 0..G-1, shifted by each group's max so nothing overflows
-    (S = +-800, whose exp overflows or underflows, merges exactly as well). NaN values (a column
-    a part lacks) are skipped; a group without a value is NaN."""
-    values = np.asarray(values, dtype=np.float64)
-    has = ~np.isnan(values)
-    shift = np.full(G, -np.inf)
-    np.maximum.at(shift, group[has], values[has])
-    at = np.where(np.isfinite(shift), shift, 0.0)
-    with np.errstate(divide="ignore"):
-        total = np.bincount(group[has], weights=np.exp(values[has] - at[group[has]]), minlength=G)
-        out = at + np.log(total)
-    return np.where(np.bincount(group[has], minlength=G) > 0, out, np.nan)
-
-
-def merge_column(values: np.ndarray, rule: str, group: np.ndarray, G: int) -> np.ndarray:
-    """One value column merged by its rule into groups 0..G-1 (``group`` [n]): integer sums
-    stay exact, NaN extremes are skipped, a group without a value is NaN for max/min (and
-    logsumexp, :func:`logsumexp_by`)."""
-    if rule == "logsumexp":
-        return logsumexp_by(values, group, G)
-    if rule == "sum":
-        if values.dtype.kind in "iu":
-            summed = np.zeros(G, dtype=np.int64)
-            np.add.at(summed, group, values)
-            return summed
-        return np.bincount(group, weights=values, minlength=G).astype(values.dtype)
-    acc = np.full(G, np.nan)
-    (np.fmax if rule == "max" else np.fmin).at(acc, group, values.astype(np.float64))
-    return acc.astype(values.dtype) if values.dtype.kind in "iu" else acc
-
-
-def merge_total(values: np.ndarray, rule: str) -> np.ndarray:
-    """One-element merge of a whole column (NaN extremes are skipped; all NaN or no value at all
-    stays NaN)."""
-    if rule == "sum":
-        return np.array([values.sum()], dtype=values.dtype)
-    if rule == "logsumexp":
-        return logsumexp_by(values, np.zeros(len(values), dtype=np.int64), 1)
-    if len(values) == 0:
-        return np.array([np.nan])
-    ext = (np.fmax if rule == "max" else np.fmin).reduce(values.astype(np.float64))
-    return np.array([ext]).astype(values.dtype) if values.dtype.kind in "iu" else np.array([ext])
+    return pd.DataFrame(groups.values | merge_columns(cols, rules, groups.codes[0], groups.size))
 
 
 def merge(parts: Iterable[MismatchStats]) -> MismatchStats:

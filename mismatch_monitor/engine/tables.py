@@ -20,7 +20,8 @@ from .fields import SEQ_HIST_KINDS
 from . import native
 from .histogram import LogBins
 from .slicing import Cells
-from .stats import empty_table, logsumexp_by, table_schema
+from .groupby import logsumexp_by
+from .stats import empty_table, table_schema
 from .regions import Regions, ppo_band
 from .accumulators import PSUM_ROWS
 from .token_pass import JOINT_SUMS, TokenAccumulators

@@ -1,0 +1,90 @@
+"""The one Python group-by (``engine/groupby.py``) against a plain dictionary grouping written
+row by row: keys spread over several parts, nulls of every kind, categoricals, ``within``."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mismatch_monitor.engine.groupby import columns_of, group, merge_columns
+
+LABELS = ["a", "b", "c", None]
+
+
+def _null(v: object) -> bool:
+    return v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+
+
+def _key(row: tuple) -> tuple:
+    return tuple(None if _null(v) else v for v in row)
+
+
+def _sort_key(k: tuple) -> tuple:
+    return tuple((v is None, v if v is not None else 0) for v in k)
+
+
+parts_strategy = st.lists(
+    st.lists(st.tuples(st.sampled_from(LABELS), st.integers(0, 3), st.integers(-5, 5),
+                       st.floats(-1e3, 1e3, allow_nan=False)), max_size=25),
+    min_size=1, max_size=4)
+
+
+def _frame(rows: list[tuple], form: int) -> pd.DataFrame:
+    """One part in one of the column forms the engine, the store and the SQL layer give."""
+    labels = [r[0] for r in rows]
+    pool = (pd.array(labels, dtype="string") if form == 0 else
+            pd.Series(labels, dtype="category") if form == 1 else pd.Series(labels, dtype=object))
+    turn = pd.array([None if r[1] == 3 else r[1] for r in rows], dtype="Int64")
+    return pd.DataFrame({"pool": pool, "turn": turn,
+                         "n": np.array([r[2] for r in rows], dtype=np.int64),
+                         "x": np.array([r[3] for r in rows], dtype=np.float64)})
+
+
+@settings(max_examples=60, deadline=None)
+@given(parts_strategy, st.integers(0, 2), st.booleans())
+def test_groups_and_merges_match_a_row_by_row_dictionary(parts, form, within):
+    frames = [_frame(rows, (form + i) % 3) for i, rows in enumerate(parts)]
+    keys = ["pool", "turn"]
+    groups = group([columns_of(f) for f in frames], keys, within=0 if within else None)
+
+    expected: dict[tuple, list[tuple]] = {}
+    for f in frames:
+        for row in zip(*(f[k].tolist() for k in keys), f["n"], f["x"]):
+            expected.setdefault(_key(row[:2]), []).append(row[2:])
+    allowed = {_key(r) for r in zip(*(frames[0][k].tolist() for k in keys))} if within else set(expected)
+    order = sorted((k for k in expected if k in allowed), key=_sort_key)
+
+    assert groups.size == len(order)
+    got_keys = [_key(k) for k in zip(*(list(groups.values[k]) for k in keys))]
+    assert got_keys == order                      # groups in key order, nulls last
+    merged = [merge_columns(columns_of(f), {"n": "sum", "x": "max"}, c, groups.size)
+              for f, c in zip(frames, groups.codes)]
+    for g, k in enumerate(order):
+        rows = expected[k]
+        assert sum(int(m["n"][g]) for m in merged) == sum(int(n) for n, _ in rows)
+        assert np.nanmax([m["x"][g] for m in merged]) == max(x for _, x in rows)
+    for f, c in zip(frames, groups.codes):       # a row outside every kept group is coded -1
+        for row, code in zip(zip(*(f[k].tolist() for k in keys)), c):
+            assert (code >= 0) == (_key(row) in allowed)
+            if code >= 0:
+                assert order[code] == _key(row)
+
+
+def test_a_part_without_the_key_column_is_all_null():
+    a = {"pool": pd.array(["x", None], dtype="string"), "n": np.array([1, 2])}
+    b = {"n": np.array([5])}
+    groups = group([a, b], ["pool"])
+    assert list(groups.values["pool"]) == ["x", None]
+    assert [c.tolist() for c in groups.codes] == [[0, 1], [1]]
+
+
+def test_no_keys_is_one_group_of_every_row_or_none():
+    assert group([{"n": np.array([1, 2])}], []).size == 1
+    assert group([{"n": np.array([], dtype=np.int64)}], []).size == 0
+    merged = merge_columns({"n": np.array([3, 4]), "m": np.array([np.nan, 2.0])}, {"n": "sum", "m": "min"},
+                           np.zeros(2, dtype=np.int64), 1)
+    assert merged["n"].tolist() == [7] and merged["n"].dtype == np.int64 and merged["m"].tolist() == [2.0]
