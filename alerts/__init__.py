@@ -8,10 +8,13 @@
 ``evaluator.py`` evaluates them over a run's metric history with the same semantics.
 """
 
-from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools
-from .counts import CountRise, TailRise
+from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero
+from .outliers import OutlierAmongPools
+from .counts import CountRise
+from .tails import TailRise
 from .jumps import StepJump
-from .pooled import MeanRise, PooledDrift
+from .drift import PooledDrift
+from .pooled import MeanRise
 from .promql import prom_quantile
 from .definitions import DEFAULT_RULES
 from .evaluator import AlertEvaluator, AlertEvent, ResyncOutcome, ResyncPolicy

@@ -10,10 +10,13 @@ step duration the rules were rendered for (``--step-seconds``).
 
 from __future__ import annotations
 
-from .conditions import Compare, OutlierAmongPools
-from .counts import CountRise, TailRise
+from .conditions import Compare
+from .outliers import OutlierAmongPools
+from .counts import CountRise
+from .tails import TailRise
 from .jumps import StepJump
-from .pooled import MeanRise, PooledDrift
+from .drift import PooledDrift
+from .pooled import MeanRise
 from .rules import AlertRule
 
 TOKENS = "mismatch/n_tokens"

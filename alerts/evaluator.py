@@ -18,19 +18,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Iterable, Literal, Mapping
 
 import numpy as np
 import pandas as pd
 
 from mismatch_monitor.metrics import GroupMetrics
-from mismatch_monitor.report_keys import NULL_TEXT, label_text
+from mismatch_monitor.report_keys import NULL_TEXT
 from .conditions import Scope, Snapshot
 from .counts import INACTIVE
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
+from .levels import expected_note
 from .resync import NUMERIC_NOTE, ResyncOutcome, ResyncPolicy
 from .rules import AlertRule, Fix, Severity, check_rules
+from .steps import _snapshot, iter_steps
 
 # pools are named by their label text (report_keys.py), as the exporter labels their series, so
 # an event's pool is the pool label Prometheus shows; rows logged without a pool are "%null"
@@ -72,11 +74,16 @@ class _Active:
 
 class AlertEvaluator:
     def __init__(self, rules: tuple[AlertRule, ...] = DEFAULT_RULES, *,
-                 resync_policy: ResyncPolicy = ResyncPolicy()) -> None:
+                 resync_policy: ResyncPolicy = ResyncPolicy(),
+                 pools: Mapping[str, Mapping[str, object]] | None = None) -> None:
+        """``pools``: label text -> the pool's metadata (``run.json``: precision, engine); a firing's
+        summary then says how many times its pool's expected healthy level the metric is."""
         rules = tuple(rules)
         check_rules(rules)
         self.rules = rules
         self.resync_policy = resync_policy
+        self.pools = {str(k): dict(v) for k, v in (pools or {}).items()}
+        self._values: dict[str, dict[str, float]] = {}   # pool -> metric -> value at the last step
         windows: dict[tuple[str, Scope], int] = {}
         for rule in rules:
             for key, w in rule.condition.windows.items():
@@ -109,6 +116,8 @@ class AlertEvaluator:
         self._last_step = step
         snapshots = {"pool": _snapshot(by_pool, self._keys["pool"], pooled=True),
                      "fleet": _snapshot(fleet, self._keys["fleet"], pooled=False)}
+        now = snapshots["pool"]
+        self._values = {p: {k: float(v[i]) for k, v in now.values.items()} for i, p in enumerate(now.pools)}
         events: list[AlertEvent] = []
         requested: set[str | None] = set()
         self._undecided_now = []
@@ -213,7 +222,8 @@ class AlertEvaluator:
         return AlertEvent(
             step=step, wall_time=float(wall_time), alert=rule.name, severity=rule.severity, pool=pool,
             state=state, value=active.value, threshold=rule.threshold,
-            summary=rule.text("summary", pool, active.value),
+            summary=rule.text("summary", pool, active.value) + (
+                expected_note(rule, pool, self.pools, self._values.get(pool, {})) if state == "firing" else ""),
             description=description,
             runbook=rule.text("runbook", pool, active.value), resync=resync, fix=rule.fix,
             since_step=active.since)
@@ -229,7 +239,8 @@ class AlertEvaluator:
     @classmethod
     def replay(cls, history: pd.DataFrame, *, rules: tuple[AlertRule, ...] = DEFAULT_RULES,
                fleet_history: pd.DataFrame | None = None, steps: Iterable[int] = (),
-               resync_policy: ResyncPolicy = ResyncPolicy()) -> tuple["AlertEvaluator", list[AlertEvent]]:
+               resync_policy: ResyncPolicy = ResyncPolicy(), pools: Mapping[str, Mapping[str, object]] | None = None
+               ) -> tuple["AlertEvaluator", list[AlertEvent]]:
         """Rebuild an evaluator from a metric history and return it with every event it emitted.
 
         ``history``: columns ``step``, ``pool``, metric keys and optionally ``wall_time``, one row
@@ -237,28 +248,12 @@ class AlertEvaluator:
         ``fleet_history``: the same without ``pool``, for fleet-scoped rules; ``steps``: steps
         logged without any observation (``query.steps_index``), which resolve what was firing.
         """
-        evaluator = cls(rules, resync_policy=resync_policy)
+        evaluator = cls(rules, resync_policy=resync_policy, pools=pools)
         events: list[AlertEvent] = []
         for step, by_pool, fleet in iter_steps(history, fleet_history, steps):
             wall = float(by_pool["wall_time"].iloc[0]) if "wall_time" in by_pool and len(by_pool) else math.nan
             events += evaluator.observe(step, wall, by_pool, fleet=fleet)
         return evaluator, events
-
-
-def iter_steps(history: pd.DataFrame, fleet_history: pd.DataFrame | None = None, extra_steps: Iterable[int] = ()
-               ) -> Iterator[tuple[int, pd.DataFrame, pd.DataFrame | None]]:
-    """(step, per-pool rows, fleet row) for every step of either history (and ``extra_steps``),
-    in order."""
-    steps = set(history["step"].astype(int)) if len(history) else set()
-    steps |= {int(s) for s in extra_steps}
-    if fleet_history is not None and len(fleet_history):
-        steps |= set(fleet_history["step"].astype(int))
-    by_step = dict(tuple(history.groupby("step", sort=True))) if len(history) else {}
-    fleet_by_step = (dict(tuple(fleet_history.groupby("step", sort=True)))
-                     if fleet_history is not None and len(fleet_history) else {})
-    empty = history.iloc[0:0]
-    for step in sorted(steps):
-        yield step, by_step.get(step, empty), fleet_by_step.get(step)
 
 
 def _with_derived(now: Snapshot, rules: tuple[AlertRule, ...], scope: Scope,
@@ -281,21 +276,3 @@ def _with_derived(now: Snapshot, rules: tuple[AlertRule, ...], scope: Scope,
 
 def _pool(label: str, scope: Scope) -> str | None:
     return None if scope == "fleet" else label
-
-
-def _snapshot(frame: pd.DataFrame | GroupMetrics | None, keys: list[str], *, pooled: bool) -> Snapshot:
-    if frame is None or len(frame) == 0:
-        return Snapshot((), {k: np.empty(0) for k in keys})
-    if isinstance(frame, GroupMetrics):
-        pools = (tuple(label_text(p) for p in frame.labels) if pooled
-                 else ("",) * len(frame))
-        nan = np.full(len(frame), np.nan)
-        return Snapshot(pools, {k: frame.values.get(k, nan) for k in keys})
-    if pooled:
-        pools = tuple(label_text(None if pd.isna(p) else str(p)) for p in frame["pool"])
-    else:
-        pools = ("",) * len(frame)
-    n = len(frame)
-    values = {k: frame[k].to_numpy(dtype=np.float64, na_value=np.nan) if k in frame else np.full(n, np.nan)
-              for k in keys}
-    return Snapshot(pools, values)

@@ -18,10 +18,13 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, OutlierAmongPools, Scope
-from .counts import CountRise, TailRise
+from .conditions import Compare, GrowthOverBaseline, MeanAwayFromZero, Scope
+from .outliers import OutlierAmongPools
+from .counts import CountRise
+from .tails import TailRise
 from .jumps import StepJump
-from .pooled import MeanRise, PooledDrift
+from .drift import PooledDrift
+from .pooled import MeanRise
 
 Condition = (Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools | CountRise | TailRise | MeanRise
              | PooledDrift | StepJump)
