@@ -6,6 +6,7 @@ Runtime: about 15 s.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from mismatch_monitor import query
 from mismatch_monitor.alerts import AlertEvaluator
 from mismatch_monitor.alerts.definitions import DRIFT, KL_SPIKE, ROUTING_FLIP_RISE, STEP_JUMP, Z_COUNTS
 from mismatch_monitor.alerts.significance import upper_normal_tail
+from mismatch_monitor.expected_levels import expected_level
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
 
@@ -94,3 +96,21 @@ def test_the_clean_sample_run_raises_none_of_the_noise_alerts():
     _, events = AlertEvaluator.replay(history, fleet_history=fleet, steps=query.steps_index(con, run)["step"])
     noise = {STEP_JUMP.name, KL_SPIKE.name, DRIFT.name, ROUTING_FLIP_RISE.name}
     assert [(e.step, e.alert, e.pool) for e in events if e.state == "firing" and e.alert in noise] == []
+
+
+def test_a_firing_says_how_many_times_its_pools_expected_level_the_value_is():
+    run = SAMPLE_DATA / "stable_fleet"
+    con = query.connect()
+    history = query.metric_series(con, run, ["pool"])
+    pools = json.loads((run / "run.json").read_text())["pools"]
+    _, events = AlertEvaluator.replay(history, pools=pools)
+    outlier = next(e for e in events if e.state == "firing" and e.pool == "int4")
+    k3 = float(history.loc[(history["step"] == outlier.step) & (history["pool"] == "int4"), K3].iloc[0])
+    level = expected_level(K3, "int4", "transformers/sdpa")
+    assert outlier.summary.endswith(f"(k3_kl {k3 / level.healthy:.3g}x its expected healthy level for int4 on "
+                                    f"{level.engine})")
+    # no metadata, or no row for the pool's kind: nothing is said (never a guessed level)
+    _, plain = AlertEvaluator.replay(history)
+    assert "expected" not in next(e for e in plain if e.state == "firing" and e.pool == "int4").summary
+    _, unknown = AlertEvaluator.replay(history, pools={"int4": {"precision": "int4", "engine": "sglang"}})
+    assert "expected" not in next(e for e in unknown if e.state == "firing" and e.pool == "int4").summary
