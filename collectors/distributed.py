@@ -2,7 +2,7 @@
 
 Each rank computes the sufficient statistics of its own share of the step (whole sequences:
 a rank never holds part of a sequence), and :class:`DistributedReducer` gathers them to the
-writer rank, which merges them with :func:`mismatch_monitor.engine.merge`: counts, sums and
+writer rank, which merges them as :func:`mismatch_monitor.engine.merge` does: counts, sums and
 histogram bins add, minima and maxima take the min and max. Only the writer rank creates the
 run store; give it the Prometheus exporter as well (``reducer.is_writer``).
 
@@ -26,9 +26,12 @@ the collector to count and to record in the run's ``errors`` table.
 Exemplars are the global top K (largest |lr| tokens, largest max |lr| sequences). Their
 ``seq_index`` is the sequence's index within the batch of the rank in their ``rank`` column.
 
-The statistics travel as pickled objects (``gather_object``): a step's tables are small (one
-row per non-empty slice cell), so this costs one small collective per step; see
-``benchmarks/bench_distributed.py``.
+The statistics travel packed (``rank_payload.py``: numpy columns, each table's cells once with
+their labels as codes into a label dictionary), one ``gather_object`` per step; packing is all a
+rank does besides the collective. The writer merges the W shards with one concatenation and one
+group-by per table (``rank_merge.py``), equal bit for bit to ``engine.merge`` of the parts; see
+``benchmarks/bench_merge.py`` (the merge, W = 2..64) and ``benchmarks/bench_distributed.py``
+(the collective, gloo).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from typing import Any, NamedTuple
 import pandas as pd
 import torch.distributed as dist
 
-from mismatch_monitor.engine import MismatchStats, merge
-from mismatch_monitor.exemplars import merge_exemplars
+from mismatch_monitor.engine import MismatchStats
+from .rank_merge import merge_packed, top_exemplars
+from .rank_payload import PackedStats, pack
 
 Exemplars = dict[str, pd.DataFrame]
 
@@ -49,7 +53,7 @@ class Shard(NamedTuple):
     """What one rank sends for one step."""
 
     step: int | None
-    tables: dict[str, pd.DataFrame]
+    tables: PackedStats | dict[str, pd.DataFrame]   # packed as sent; frames are packed on merging
     dims: tuple[str, ...]
     exemplars: Exemplars
     rank: int
@@ -122,7 +126,7 @@ class DistributedReducer:
         sends empty statistics so that no rank waits)."""
         # an exemplar's seq_index counts within its own rank's batch: keep the rank beside it
         exemplars = {name: df.assign(rank=self.rank) for name, df in exemplars.items()}
-        payload = Shard(step, stats.tables, tuple(stats.dims), exemplars, self.rank,
+        payload = Shard(step, pack(stats), tuple(stats.dims), exemplars, self.rank,
                         None if error is None else (type(error).__name__, str(error)), stats.params)
         if self.all_ranks:
             parts: list[Any] = [None] * self.world_size
@@ -159,5 +163,12 @@ def merge_parts(parts: list[Shard], exemplars_k: int, *, step: int | None = None
             rejected.append(Rejection(part.rank, part.step, *part.error))
         else:
             kept.append(part)
-    stats = merge([MismatchStats(p.tables, p.dims, p.params) for p in kept]) if kept else MismatchStats.empty()
-    return stats, merge_exemplars([p.exemplars for p in kept], exemplars_k), rejected
+    stats = merge_packed([packed(p) for p in kept]) if kept else MismatchStats.empty()
+    return stats, top_exemplars([p.exemplars for p in kept], exemplars_k), rejected
+
+
+def packed(part: Shard) -> PackedStats:
+    """A shard's statistics packed (a shard built from frames is packed here)."""
+    if isinstance(part.tables, PackedStats):
+        return part.tables
+    return pack(MismatchStats(part.tables, tuple(part.dims), part.params))

@@ -70,12 +70,13 @@ def test_dashboard_speed_figures_are_the_benchmark_notes():
 
 
 def test_integrations_payload_sizes_are_measured():
-    """The pickled shard a rank sends (tables and exemplars of one step) for the distributed
+    """The pickled shard a rank sends (packed tables and exemplars of one step) for the distributed
     benchmark's batches, against the sizes INTEGRATIONS.md gives (within 25%)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_distributed import make_batch
 
     from mismatch_monitor.collectors.distributed import Shard
+    from mismatch_monitor.collectors.rank_payload import pack
     from mismatch_monitor.engine import compute_stats
     from mismatch_monitor.exemplars import tail_exemplars
 
@@ -89,7 +90,7 @@ def test_integrations_payload_sizes_are_measured():
         stats = compute_stats(batch)
         exemplars = tail_exemplars(batch, 16)
         frames = exemplars.frames() if hasattr(exemplars, "frames") else exemplars
-        shard = Shard(0, stats.tables, tuple(stats.dims), frames, 0)
+        shard = Shard(0, pack(stats), tuple(stats.dims), frames, 0)
         size_kb = len(pickle.dumps(shard)) / 1000
         assert claimed == pytest.approx(size_kb, rel=0.25), (tokens, size_kb, claimed)
 

@@ -1,0 +1,119 @@
+"""The writer's merge of packed shards (collectors/rank_payload.py, rank_merge.py) against the
+engine's merge of the same statistics as frames: the same tables bit for bit (rows, order,
+dtypes, every float), and the same exemplars. No process group: the shards are built and
+pickled here, as ``gather_object`` would carry them."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from mismatch_monitor.batch import TokenBatch
+from mismatch_monitor.collectors.distributed import Shard, merge_parts
+from mismatch_monitor.collectors.rank_merge import merge_packed, top_exemplars
+from mismatch_monitor.collectors.rank_payload import narrow, pack
+from mismatch_monitor.config import MetricConfig
+from mismatch_monitor.engine import MismatchStats, compute_stats, merge
+from mismatch_monitor.exemplars import EXEMPLAR_TABLES, merge_exemplars, tail_exemplars
+
+from test_distributed_reducer import CONFIG, make_batch
+
+torch.set_num_threads(1)
+
+
+def no_turns(seed: int, num_seqs: int) -> TokenBatch:
+    """A batch without turn indices (null turn buckets) and with one label only."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 30, (num_seqs,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    sampler = -torch.rand(int(lengths.sum()), generator=g) * 5
+    trainer = (sampler + torch.randn(len(sampler), generator=g) * 0.1).clamp(max=0.0)
+    return TokenBatch.from_flat(trainer, sampler, seq_offsets=offsets,
+                                labels={"pool": [f"p{i % 3}" for i in range(num_seqs)]})
+
+
+def assert_same(got: MismatchStats, want: MismatchStats) -> None:
+    assert got.dims == want.dims and got.params == want.params
+    for name, table in want.tables.items():
+        pd.testing.assert_frame_equal(got.tables[name], table, check_exact=True, obj=name)
+
+
+def parts() -> list[MismatchStats]:
+    # two label sets (env on some ranks only), null turns, an empty rank, uneven shares
+    batches = [make_batch(1, 7), make_batch(2, 0), make_batch(3, 12, extra_label=True), make_batch(4, 5),
+               make_batch(5, 9, extra_label=True)]
+    return [compute_stats(b, CONFIG) for b in batches]
+
+
+def test_packed_merge_is_the_engine_merge_bit_for_bit():
+    stats = parts()
+    for subset in (stats[:1], stats[:2], stats[1:], stats, stats[::-1], [stats[0], stats[0]]):
+        assert_same(merge_packed([pickle.loads(pickle.dumps(pack(s))) for s in subset]), merge(subset))
+
+
+def test_null_turn_buckets_and_missing_labels_merge_as_the_engine_merges_them():
+    stats = [compute_stats(no_turns(s, 12), CONFIG) for s in range(3)] + [parts()[2]]
+    assert stats[0]["tokens"]["turn_bucket"].isna().all()
+    assert_same(merge_packed([pack(s) for s in stats]), merge(stats))
+
+
+def test_histogram_rows_of_one_cell_apart_still_merge_into_one_row():
+    """Packing codes a cell per run of rows; a table whose cell comes back later (rows not
+    grouped by cell) still merges to one row per (cell, bin)."""
+    s = parts()[2]
+    hist = s["abs_hist"]
+    shuffled = hist.iloc[np.random.default_rng(0).permutation(len(hist))].reset_index(drop=True)
+    other = MismatchStats(dict(s.tables, abs_hist=shuffled), s.dims, s.params)
+    assert len(pack(other).tables["abs_hist"].cells["length_bucket"]) > len(pack(s).tables["abs_hist"].cells["length_bucket"])
+    assert_same(merge_packed([pack(other), pack(parts()[3])]), merge([other, parts()[3]]))
+
+
+def test_realistic_slicing_merges_exactly_and_packs_small():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_engine import CONFIG as SLICED, make_data
+
+    stats = [compute_stats(make_data(20_000, seed=r).batch, SLICED) for r in range(3)]
+    assert_same(merge_packed([pack(s) for s in stats]), merge(stats))
+    # the label strings travel once per cell, not once per histogram row
+    assert len(pickle.dumps(pack(stats[0]))) < len(pickle.dumps(stats[0].tables)) / 4
+
+
+def test_shards_of_frames_and_packed_shards_merge_alike():
+    stats = parts()
+    frames = [Shard(3, s.tables, s.dims, {}, r, None, s.params) for r, s in enumerate(stats)]
+    packed = [f._replace(tables=pack(s)) for f, s in zip(frames, stats)]
+    assert_same(merge_parts(frames, 0, step=3)[0], merge(stats))
+    assert_same(merge_parts(packed, 0, step=3)[0], merge(stats))
+
+
+def test_narrowed_integers_keep_their_values():
+    for values in (np.array([0, 127]), np.array([-129, 5]), np.array([2**40, -3]), np.array([], dtype=np.int64)):
+        out = narrow(values)
+        assert out.itemsize <= values.itemsize and np.array_equal(out.astype(np.int64), values)
+    assert narrow(np.array([0, 127])).dtype == np.int8 and narrow(np.array([2**40])).dtype == np.int64
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, 50])
+def test_top_exemplars_are_merge_exemplars(k):
+    config = MetricConfig(length_edges=(4, 8, 16), turn_edges=(1, 2))
+    sets = []
+    for r, seed in enumerate((1, 2, 3, 4)):
+        tails = tail_exemplars(make_batch(seed, 6 + seed), 5, config)
+        frames = tails.frames() if hasattr(tails, "frames") else tails
+        sets.append({name: df.assign(rank=r) for name, df in frames.items()})
+    # ties across ranks keep rank order, as the stable sort does; a NaN rank sorts last
+    tied = {name: df.copy() for name, df in sets[0].items()}
+    sets.append(tied)
+    sets[1] = dict(sets[1], exemplar_tokens=sets[1]["exemplar_tokens"].assign(abs_log_ratio=np.nan))
+    sets.append({})
+    want = merge_exemplars(sets, k)
+    got = top_exemplars(sets, k)
+    for name in EXEMPLAR_TABLES:
+        pd.testing.assert_frame_equal(got[name], want[name], check_exact=True, obj=name)
