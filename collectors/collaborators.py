@@ -15,6 +15,7 @@ from .. import query
 from ..alerts import AlertEvaluator
 from ..engine import MismatchStats
 from ..metrics import GroupMetrics
+from ..store.runinfo import read_run_info
 
 
 class Reducer(Protocol):
@@ -46,10 +47,11 @@ def default_evaluator(run_dir: os.PathLike[str]) -> Evaluator:
     """The project's alert rules; a restarted run first replays its stored history, so an alert
     that was firing stays firing (and does not ask for a second resync)."""
     con = query.connect()
+    pools = read_run_info(run_dir)["pools"]   # precision and engine: each firing's "x times its expected level"
     steps = query.steps_index(con, run_dir)["step"]   # steps without observations resolve alerts too
     if steps.empty:
-        return AlertEvaluator()
+        return AlertEvaluator(pools=pools)
     history = query.metric_series(con, run_dir, ["pool"])
     fleet = query.metric_series(con, run_dir)
-    evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet, steps=steps)
+    evaluator, _ = AlertEvaluator.replay(history, fleet_history=fleet, steps=steps, pools=pools)
     return evaluator

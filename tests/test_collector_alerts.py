@@ -59,3 +59,17 @@ def test_restart_replays_history_and_keeps_a_firing_alert_without_a_second_resyn
             mc.log_step(step, _batch(step, 2.0))
     assert resyncs == []                                    # still the same firing
     assert any(a.alert == "MismatchLowESS" for a in mc.alert_evaluator.firing())
+
+
+def test_the_default_evaluator_reads_the_pools_precision_and_engine_for_expected_levels(tmp_path):
+    from mismatch_monitor.expected_levels import expected_level
+
+    pools = {"async": {"precision": "fp8_e4m3", "engine": "transformers/sdpa"}, "sync": {"precision": "bf16"}}
+    events = []
+    with MismatchCollector(tmp_path / "run", pools=pools, flush_every_steps=5) as mc:
+        mc.on_alert(events.append)
+        for step in range(10):
+            mc.log_step(step, _batch(step, 1e-3 if step < 6 else 2.0))
+    jump = next(e for e in events if e.alert == "MismatchStepJump")
+    level = expected_level("mismatch/k3_kl", "fp8_e4m3", "transformers/sdpa")
+    assert level is not None and f"x its expected healthy level for fp8_e4m3 on {level.engine})" in jump.summary
