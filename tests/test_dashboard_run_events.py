@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +100,11 @@ def test_the_overview_draws_the_reward_and_eval_reward_beside_the_alerts(monkeyp
 
 
 @pytest.mark.skipif(not (SAMPLE_DATA / "fault_midrun").is_dir(), reason="no sample runs")
-def test_a_run_written_before_the_event_log_renders_as_before(monkeypatch) -> None:  # noqa: ANN001
-    assert not (SAMPLE_DATA / "vllm_fleet" / "events").exists()          # what the test needs
-    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["overview"], "vllm_fleet")
+def test_a_run_written_before_the_event_log_renders_as_before(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    # every sample run has an event log now: a copy of one without its events and outcomes tables
+    shutil.copytree(SAMPLE_DATA / "vllm_fleet", tmp_path / "vllm_fleet", ignore=shutil.ignore_patterns("events", "outcomes"))
+    assert not (tmp_path / "vllm_fleet" / "events").exists()             # what the test needs
+    at = open_page(monkeypatch, tmp_path, PAGE["overview"], "vllm_fleet")
     assert not [c for c in charts(at) if c.proto.id.endswith("-overview_outcomes")]
     spec = chart(at, "overview_history")
     assert all(not marked(spec, kind) for kind in ("weight_sync", "resume", "resync"))
