@@ -8,8 +8,8 @@ Per table the W parts' columns are concatenated once and grouped once:
    the engine's group-by sorts keys (``engine.stats.aggregate``: nulls are a group, groups in
    key order);
 2. every row's group is its cell's code times the range of the table's last key plus that key:
-   a dense index when that space is small (a flag per slot and a running count, no sort), the
-   sorted unique codes otherwise;
+   the code itself when that space is small (the merged columns get a slot per code, and the
+   slots no row reached are dropped: no sort), the sorted unique codes otherwise;
 3. every value column is merged by its rule with ``engine.groupby.merge_column``, the engine's one
    definition of the rules.
 
