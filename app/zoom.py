@@ -1,5 +1,7 @@
 """A time-series chart's zoom (its x range) kept in the URL, so a copied link reopens the same
-zoomed view; across a live refresh the zoom is kept by plotly itself (``uirevision``).
+zoomed view, and a live refresh keeps it: Streamlit replaces a chart's element whenever its
+figure changes (plotly's ``uirevision`` state goes with the old element), so the range the
+server draws from the URL is what holds the zoom.
 
 Plotly's zoom lives in the browser. A small component (JavaScript in the page, no iframe)
 listens to the chart's ``plotly_relayout`` event and hands the new x range to the script, which
