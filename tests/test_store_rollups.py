@@ -25,7 +25,7 @@ from mismatch_monitor import query
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.engine.fields import TABLES, merge_rules
 from mismatch_monitor.store import rollup
-from mismatch_monitor.query.views import _rollup_plan
+from mismatch_monitor.query.binned import _rollup_plan
 from mismatch_monitor.store.runlock import RunLock
 from mismatch_monitor.store import compact_run
 from test_app_runs import POOLS, fleet_case
@@ -249,7 +249,7 @@ def test_aligned_bins_fit_the_points_on_block_boundaries(first, span, max_points
 def test_a_compaction_between_listings_loses_no_step(con, tmp_path: Path, monkeypatch) -> None:
     """A compaction that completes after a reader listed the index, but before it listed the
     rollups: the reader must not drop the steps of the files it removed (it retries)."""
-    from mismatch_monitor.query import views
+    from mismatch_monitor.query import binned
 
     path = tmp_path / "run"
     with MismatchCollector(path, pools=POOLS, flush_every_steps=1000, strict=True, alert_evaluator=None) as mc:
@@ -259,7 +259,7 @@ def test_a_compaction_between_listings_loses_no_step(con, tmp_path: Path, monkey
                 mc.flush()
     want = from_cells(con, path, "tokens", ["pool"], None, 0, 16, (2, 31))
     last_index = sorted((path / "steps").glob("*.parquet"))[-1]
-    listed = views.table_files
+    listed = binned.table_files
     fired = []
 
     def compaction_meanwhile(run_dir, table):
@@ -274,7 +274,7 @@ def test_a_compaction_between_listings_loses_no_step(con, tmp_path: Path, monkey
             hidden.rename(last_index)
         return listed(run_dir, table)
 
-    monkeypatch.setattr(views, "table_files", compaction_meanwhile)
+    monkeypatch.setattr(binned, "table_files", compaction_meanwhile)
     got = query.aggregate_binned(con, path, "tokens", ["pool"], first=0, width=16, steps=(2, 31))
     assert fired
     assert_same(got, want, "tokens", ["pool"])

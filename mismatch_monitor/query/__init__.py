@@ -8,7 +8,9 @@ are summed (``sum``/``max``/``min`` per ``engine/fields.py``) in SQL and metrics
 afterwards by :func:`mismatch_monitor.metrics.derive`, so a marginal means what a cell means.
 Identifiers (group-by columns) are checked against the known key columns; every value is bound.
 
-``core`` holds the readers every part uses; ``views`` what the dashboard reads beyond them;
+``files`` lists a run's current files and keeps what was read from them; ``core`` holds the
+readers every part uses; ``binned`` merges steps into bins; ``views`` what the dashboard reads
+beyond them; ``logs`` the alert and error logs; ``events`` the run's events and outcomes;
 ``breakdowns`` the per-table breakdowns (pool shares, probability buckets, MoE layers).
 """
 
@@ -16,11 +18,12 @@ from .core import (aggregate, connect, forget_files, histogram, latest, metric_s
                    rows, run_config, steps_index, table_files, token_cell_table)
 from .core import _retry  # noqa: F401  (compaction documents the retry it relies on)
 from .rollup import aligned_bins
-from .views import collector_errors, error_messages
-from .views import (ALERT_COLUMNS, aggregate_binned, alert_events, binned_sums, compare_runs, derive_sums,
-                    distinct_values, exemplar_steps, firing_alerts, metric_series_binned, metric_totals, step_width)
+from .logs import ALERT_COLUMNS, alert_events, collector_errors, error_messages, firing_alerts
+from .binned import aggregate_binned, step_width
+from .views import (binned_sums, compare_runs, derive_sums, distinct_values, exemplar_steps, metric_series_binned,
+                    metric_totals)
 from .breakdowns import crossing_length, lowprob_series, pool_shares, routing_layer_series
-from .views import _current_sources  # noqa: F401  (tested directly)
+from .binned import _current_sources  # noqa: F401  (tested directly)
 
 __all__ = ["connect", "forget_files", "table_files", "run_config", "steps_index", "aggregate", "metric_series",
            "latest", "metric_series_runs", "histogram", "rows", "token_cell_table", "ALERT_COLUMNS",

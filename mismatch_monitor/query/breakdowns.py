@@ -16,7 +16,8 @@ from ..engine.stats import aggregate
 from ..formulas import divide, evaluate
 from ..metrics import VIEW_METRICS
 from .core import RunDir, StepRange
-from .views import _whole, aggregate_binned
+from .binned import aggregate_binned
+from .views import _whole
 
 
 def _with_views(df: pd.DataFrame, table: str) -> pd.DataFrame:
