@@ -88,3 +88,14 @@ def test_no_keys_is_one_group_of_every_row_or_none():
     merged = merge_columns({"n": np.array([3, 4]), "m": np.array([np.nan, 2.0])}, {"n": "sum", "m": "min"},
                            np.zeros(2, dtype=np.int64), 1)
     assert merged["n"].tolist() == [7] and merged["n"].dtype == np.int64 and merged["m"].tolist() == [2.0]
+
+
+def test_integer_sums_stay_exact_beyond_float64s_integers():
+    big = 2 ** 62 + 1                  # float64 cannot hold it: the exact int64 path must take it
+    values = np.array([big, 1, 3, 2 ** 40], dtype=np.int64)
+    groups = np.array([0, 0, 1, 1])
+    merged = merge_columns({"n": values}, {"n": "sum"}, groups, 2)["n"]
+    assert merged.tolist() == [big + 1, 3 + 2 ** 40] and merged.dtype == np.int64
+    small = np.arange(1000, dtype=np.int64)
+    merged = merge_columns({"n": small}, {"n": "sum"}, small % 7, 7)["n"]
+    assert merged.tolist() == [int(small[small % 7 == g].sum()) for g in range(7)]
