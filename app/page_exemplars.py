@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mismatch_monitor.app import data, layout, state
+from mismatch_monitor.app import data, layout, state, token_spans
 
 view = state.current()
 
@@ -25,6 +25,33 @@ def _jump(step: int) -> None:
     st.session_state["ex_step"] = step
 
 
+def _url_step(first: int, last: int) -> None:
+    """A link's ?step= (from a chart page) chooses the step once, before the widget is drawn."""
+    raw = st.query_params.get("step")
+    if raw is not None and "ex_step" not in st.session_state:
+        try:
+            st.session_state["ex_step"] = min(max(int(raw), first), last)
+        except ValueError:
+            st.warning(f"The link's step {raw!r} is not a step number; showing the last step.")
+
+
+def _token_view(tokens: pd.DataFrame, step: int) -> None:
+    """The chosen sequence's stored tokens as spans coloured by |log ρ| (pool from the link)."""
+    pools = sorted(tokens["pool"].dropna().unique()) if "pool" in tokens else []
+    wanted = st.query_params.get("pool")
+    if wanted is not None and wanted not in pools:
+        st.warning(f"Pool {wanted!r} holds no stored exemplar token at step {step}; showing every pool.")
+    options = ["(every pool)", *pools]
+    pool = st.selectbox("Pool", options, index=options.index(wanted) if wanted in pools else 0, key="ex_pool")
+    shown = tokens if pool == "(every pool)" else tokens[tokens["pool"] == pool]
+    seqs = shown.groupby("seq_index")["abs_log_ratio"].max().sort_values(ascending=False)
+    seq = st.selectbox("Sequence (by its worst stored token)", list(seqs.index),
+                       format_func=lambda i: f"sequence {int(i)} · max |log ρ| {seqs[i]:.3g}", key="ex_seq")
+    top = float(tokens["abs_log_ratio"].max())
+    st.html(token_spans.legend(top))
+    st.html(token_spans.spans(shown[shown["seq_index"] == seq], top))
+
+
 if layout.page_header("Exemplars", view, "Aggregates say that the tail moved; exemplars say which tokens "
                       "and sequences moved it."):
     steps = data.load("exemplars", view.run_dir, **view.params)["exemplar_steps"]
@@ -33,6 +60,7 @@ if layout.page_header("Exemplars", view, "Aggregates say that the tail moved; ex
                      "step unless `exemplars_k=0`), or no visible step yet.")
     else:
         first, last = int(steps["step"].min()), int(steps["step"].max())
+        _url_step(first, last)
         c1, c2 = st.columns([1, 1])
         step = c1.number_input("Step", min_value=first, max_value=last, value=last, step=1, key="ex_step",
                                bind="query-params")
@@ -50,6 +78,9 @@ if layout.page_header("Exemplars", view, "Aggregates say that the tail moved; ex
             if not len(d["tokens"]) and not len(d["sequences"]):
                 layout.empty(f"Step {int(step)} holds no exemplar (not logged, or no valid token).")
                 return
+            if len(d["tokens"]):
+                st.subheader(f"Tokens of a sequence at step {int(step)}, coloured by |log ρ|")
+                _token_view(d["tokens"], int(step))
             st.subheader(f"Worst tokens of step {int(step)} (by |log ρ|)")
             st.dataframe(_ordered(d["tokens"], TOKEN_FIRST), hide_index=True, width="stretch")
             st.subheader(f"Worst sequences of step {int(step)} (by max |log ρ|)")

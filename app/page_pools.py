@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mismatch_monitor.app import data, figures, layout, loaders, state
+from mismatch_monitor.app import data, exemplar_links, figures, layout, loaders, state
 from mismatch_monitor.metrics import METRIC_BY_KEY
 
 view = state.current()
@@ -53,5 +53,9 @@ if layout.page_header("Pools", view, "Each sampler pool against the others: its 
             layout.chart(figures.small_multiples(d["series"], list(metrics), titles, group="pool", x=view.x,
                                                  smoothing=view.smoothing, width=span.width, y_scale=scale),
                          key="pools_series", events=layout.marks(view, span))
+        ex = data.load("exemplars", view.run_dir, **view.params)["exemplar_steps"]
+        if len(ex):
+            st.markdown("Exemplars of the steps with the largest |log ρ|: "
+                        + exemplar_links.worst_steps_markdown(view.run_name, ex))
 
     layout.live(body, view)

@@ -1,0 +1,65 @@
+"""The Exemplars page opened from a link (?run=&step=&pool=), in a real Chromium: the chosen step's
+stored tokens of that pool drawn as spans coloured by |log ρ|, each with its value.
+
+Runtime: about 20 s (server start ~5 s, one page visit).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import duckdb
+import pytest
+
+from external_tools import find, needs
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
+from dashboard_server import ARTIFACTS, LAUNCH_ARGS, serve, wait_drawn  # noqa: E402
+
+RUN = Path(__file__).resolve().parent.parent / "sample_data" / "fault_midrun"
+pytestmark = [pytest.mark.timeout(300), needs("chromium"),
+              pytest.mark.skipif(not RUN.is_dir(), reason="the sample run fault_midrun is not in sample_data/")]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("exemplars") / "runs"
+    shutil.copytree(RUN, root / RUN.name)
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with open(tmp_path_factory.mktemp("server") / "dashboard.log", "w+") as log:
+        yield from serve(root, log)
+
+
+def test_link_opens_coloured_tokens_of_step_and_pool(server: str, root: Path) -> None:
+    files = str(root / RUN.name / "exemplar_tokens" / "*.parquet")
+    # a middle step and the pool of its worst token, read from the Parquet files, not through the app
+    step, pool = duckdb.sql(f"""select step, arg_max(pool, abs_log_ratio) from read_parquet('{files}')
+                                group by step order by step""").fetchall()[5]
+    stored = {round(v, 9) for (v,) in duckdb.sql(
+        f"select abs_log_ratio from read_parquet('{files}') where step = {step} and pool = '{pool}'").fetchall()}
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
+        page = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+        page.goto(f"{server}/exemplars?run={RUN.name}&step={step}&pool={pool}")
+        wait_drawn(page)
+        page.locator(".mm-token").first.wait_for(timeout=60_000)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "exemplars_tokens.png"), full_page=True)
+        text = page.locator('[data-testid="stApp"]').inner_text()
+        spans = page.locator(".mm-token").evaluate_all(
+            "els => els.map(e => [Number(e.dataset.absLr), getComputedStyle(e).backgroundColor, e.title])")
+        errors = page.locator('[data-testid="stException"]').count()
+        b.close()
+    assert errors == 0
+    assert f"Tokens of a sequence at step {step}" in text
+    values = [round(v, 9) for v, _, _ in spans]
+    assert values and set(values) <= stored                       # only that step's and pool's tokens
+    assert max(values) == max(stored)                             # its worst sequence is the one shown
+    assert all(c.startswith("rgb(") and c != "rgba(0, 0, 0, 0)" for _, c, _ in spans)   # coloured
+    assert all("|log ρ| = " in t for _, _, t in spans)
