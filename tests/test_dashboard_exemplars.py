@@ -63,3 +63,21 @@ def test_link_opens_coloured_tokens_of_step_and_pool(server: str, root: Path) ->
     assert max(values) == max(stored)                             # its worst sequence is the one shown
     assert all(c.startswith("rgb(") and c != "rgba(0, 0, 0, 0)" for _, c, _ in spans)   # coloured
     assert all("|log ρ| = " in t for _, _, t in spans)
+
+
+def test_pools_page_links_a_worst_step_to_its_exemplars(server: str) -> None:
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
+        page = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+        page.goto(f"{server}/pools?run={RUN.name}")
+        wait_drawn(page)
+        link = page.locator('a[href*="exemplars?run="]').first
+        link.wait_for(timeout=60_000)
+        href = link.get_attribute("href")
+        step = int(href.split("step=")[1].split("&")[0])
+        page.goto(f"{server}/{href.lstrip('/')}")
+        wait_drawn(page)
+        page.locator(".mm-token").first.wait_for(timeout=60_000)
+        text = page.locator('[data-testid="stApp"]').inner_text()
+        b.close()
+    assert f"Tokens of a sequence at step {step}" in text
