@@ -15,6 +15,7 @@ average 5 (one warm start, eleven engine starts); 7.5 min at load 11 with two wa
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -165,7 +166,14 @@ def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkey
         assert all(torch.equal(a.sampler_logprobs, b.sampler_logprobs) for a, b in zip(first, again))
         assert sampler.engine_info["sync"] == "engine restart"
         monkeypatch.setattr(pool_module, "RESTART_ON_SYNC", frozenset())
-        with pytest.raises(RuntimeError, match="non-finite log-prob .* after reload_weights"):
+        try:
             sampler.load(state, 2, "int8")
+        except RuntimeError as exc:
+            assert re.search("non-finite log-prob .* after reload_weights", str(exc)), exc
+        else:
+            # the NaN does not come every time: a run after other engines in the process got
+            # finite log-probs from the reload; then they must be the restart's, not merely finite
+            third = sampler.rollout(episodes, temperature=0.9, max_new_tokens=6, seed=0)
+            assert all(torch.equal(a.sampler_logprobs, b.sampler_logprobs) for a, b in zip(again, third))
     finally:
         sampler.close()
