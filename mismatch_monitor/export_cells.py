@@ -19,7 +19,7 @@ import pandas as pd
 from .config import MetricConfig
 from .engine import MismatchStats
 from .engine.fields import merge_rules
-from .engine.groupby import group, merge_columns
+from .engine.groupby import columns_of, group, merge_columns
 from .label_limits import texts_of
 from .metrics import GroupMetrics, report_by_label
 from .report_keys import OTHER_TEXT, label_text
@@ -91,9 +91,9 @@ def cells_of(stats: MismatchStats, admission: Admission) -> Cells:
     cells = group(parts, DIMS)
     C = cells.size
     tok_codes, seq_codes, hist_codes = cells.codes
-    merged_tokens = merge_columns(_numbers(tok, "tokens"), merge_rules("tokens"), tok_codes, C)
+    merged_tokens = merge_columns(columns_of(tok, list(merge_rules("tokens"))), merge_rules("tokens"), tok_codes, C)
     seq = stats.tables["sequences"]
-    merged_seq = merge_columns(_numbers(seq, "sequences"), merge_rules("sequences"), seq_codes, C)
+    merged_seq = merge_columns(columns_of(seq, list(merge_rules("sequences"))), merge_rules("sequences"), seq_codes, C)
     present = np.bincount(seq_codes, minlength=C) > 0
     hist = stats.tables["abs_hist"]
     rows = group([{"cell": hist_codes, "bin": hist["bin"].to_numpy(np.int64)}], ["cell", "bin"])
@@ -102,10 +102,6 @@ def cells_of(stats: MismatchStats, admission: Admission) -> Cells:
             for p, h in zip(np.asarray(cells.values["pool"]).tolist(), np.asarray(cells.values["hardware"]).tolist())]
     return Cells(keys, merged_tokens, merged_seq, present, np.asarray(rows.values["cell"]),
                  np.asarray(rows.values["bin"]), counts, merged)
-
-
-def _numbers(df: pd.DataFrame, table: str) -> dict[str, np.ndarray]:
-    return {col: df[col].to_numpy() for col in merge_rules(table)}
 
 
 def slice_metrics(cells: Cells, config: MetricConfig) -> tuple[list[dict[str, str]], GroupMetrics]:
