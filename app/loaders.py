@@ -239,6 +239,16 @@ def compare(con: Con, run_dir: Path, *, window: int | None, max_points: int, oth
     return out
 
 
+def run_series(con: Con, run_dir: Path, *, window: int | None, max_points: int, metric: str = K3) -> Frames:
+    """One run of the Several runs page: its run.json, its steps shown and ``metric`` per pool."""
+    out, span = _start(con, run_dir, window, max_points)
+    out["info"] = read_run_info(run_dir)
+    if span is not None:
+        out["series"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.origin, width=span.width,
+                                                   steps=span.steps, metrics=[metric])
+    return out
+
+
 def exemplars(con: Con, run_dir: Path, *, window: int | None, max_points: int, step: int | None = None,
               k: int = 16) -> Frames:
     out, span = _start(con, run_dir, window, max_points)

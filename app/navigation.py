@@ -30,5 +30,6 @@ PAGES: tuple[PageSpec, ...] = (
     PageSpec("page_corrections.py", "Corrections", "corrections", "corrections"),
     PageSpec("page_alerts.py", "Alerts and resyncs", "alerts", "alerts"),
     PageSpec("page_compare.py", "Compare runs", "compare", "compare"),
+    PageSpec("page_runs.py", "Several runs", "runs", "run_series"),
     PageSpec("page_exemplars.py", "Exemplars", "exemplars", "exemplars"),
 )

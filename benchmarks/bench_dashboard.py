@@ -61,6 +61,7 @@ TABLES = {
     "alerts": ("steps", "alerts", "tokens", "abs_hist"),     # the p99 series
     "compare": ("steps", "tokens", "sequences", "abs_hist"),
     "exemplars": ("steps", "exemplar_tokens", "exemplar_sequences"),
+    "run_series": ("steps", "tokens", "sequences"),          # one run of the Several runs page (k3)
 }
 
 

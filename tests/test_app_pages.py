@@ -73,7 +73,8 @@ def close(shown: str, want: float, rel: float) -> bool:
 
 # what each page shows on a run with observations: (charts at least, dataframes at least)
 EXPECTED = {"overview": (1, 2), "pools": (2, 2), "tails": (3, 0), "lowprob": (4, 1), "length-turn": (3, 1),
-            "routing": (2, 0), "corrections": (1, 1), "alerts": (2, 1), "compare": (2, 1), "exemplars": (0, 2)}
+            "routing": (2, 0), "corrections": (1, 1), "alerts": (2, 1), "compare": (2, 1), "exemplars": (0, 2),
+            "runs": (1, 1)}
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.url_path for p in PAGES])
