@@ -199,12 +199,16 @@ static inline __attribute__((always_inline)) double exp_logprob(double x) {
     union { double d; int64_t i; } big = {xc * 0x1.71547652b82fep0 + shifter}, base = {shifter};
     const double kd = big.d - shifter;
     const double r = (xc - kd * 0x1.62e42fee00000p-1) - kd * 0x1.a39ef35793c76p-33;
-    double q = 1.0 / 6227020800.0;                  /* 1/13! */
-    static const double inv[12] = {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
-                                   1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0,
-                                   1.0 / 6.0, 0.5, 1.0};
-    for (int j = 0; j < 12; j++) q = q * r + inv[j];
-    q = q * r + 1.0;
+    /* Estrin's scheme (pairs, then pairs of pairs): a dependency chain of 8 operations instead
+     * of Horner's 26, so that the vectorized loop is not bound by their latency */
+    static const double c[14] = {1.0, 1.0, 0.5, 1.0 / 6.0, 1.0 / 24.0, 1.0 / 120.0, 1.0 / 720.0,
+                                 1.0 / 5040.0, 1.0 / 40320.0, 1.0 / 362880.0, 1.0 / 3628800.0,
+                                 1.0 / 39916800.0, 1.0 / 479001600.0, 1.0 / 6227020800.0};
+    const double r2 = r * r, r4 = r2 * r2, r8 = r4 * r4;
+    const double p03 = (c[0] + c[1] * r) + r2 * (c[2] + c[3] * r);
+    const double p47 = (c[4] + c[5] * r) + r2 * (c[6] + c[7] * r);
+    const double p8b = (c[8] + c[9] * r) + r2 * (c[10] + c[11] * r);
+    const double q = (p03 + r4 * p47) + r8 * (p8b + r4 * (c[12] + c[13] * r));
     /* k in [-1077, 2]: halved as a positive number (logical shifts only, as AVX2 has) */
     const int64_t k = big.i - base.i, k1 = (int64_t)((uint64_t)(k + 2048) >> 1) - 1024, k2 = k - k1;
     union { uint64_t u; double d; } s1 = {(uint64_t)(k1 + 1023) << 52}, s2 = {(uint64_t)(k2 + 1023) << 52};
@@ -214,7 +218,7 @@ static inline __attribute__((always_inline)) double exp_logprob(double x) {
 
 /* Straight-line loops over a block of m tokens, written for the compiler to vectorize. Rare
  * tokens are left to the scalar stage (see Block). Returns 0 when a turn index is negative. */
-static inline int block_values(const TokenParams *p, int64_t m, Block *b, int has_turn,
+static inline __attribute__((always_inline)) int block_values(const TokenParams *p, int64_t m, Block *b, int has_turn,
                                const int64_t *restrict turn_table) {
     const double *c = p->series;
     const double tol = p->tol, lowest = -DBL_MAX;
@@ -346,8 +350,7 @@ typedef struct {
     V4 *joint;                /* [n_turn][COPIES][2 NL] */
     int32_t *hist;            /* [n_turn][NB + 1] */
     double *lr2, *e_abs, *min_lr, *max_lr;    /* [n_turn] each */
-    double *psum;             /* [n_turn][N_PSUMS] */
-    double *max_adp;          /* [n_turn] */
+    V4 *psum;                 /* [n_turn][N_PSUMS + 1] lanes of the p-sums, then of max |dp| */
     int64_t *lo, *hi;
     int64_t *n_zero;          /* [n_turn] tokens with lr == 0 */
     int64_t *used;            /* turn buckets with tokens, in first-use order */
@@ -355,8 +358,8 @@ typedef struct {
 } Local;
 
 static void reset_bucket(Local *L, int64_t tb, int64_t NB) {
-    L->lr2[tb] = L->e_abs[tb] = L->max_adp[tb] = 0.0;
-    for (int j = 0; j < N_PSUMS; j++) L->psum[tb * N_PSUMS + j] = 0.0;
+    L->lr2[tb] = L->e_abs[tb] = 0.0;
+    for (int j = 0; j <= N_PSUMS; j++) L->psum[tb * (N_PSUMS + 1) + j] = (V4){0.0, 0.0, 0.0, 0.0};
     L->min_lr[tb] = INFINITY;
     L->max_lr[tb] = -INFINITY;
     L->lo[tb] = NB;
@@ -382,8 +385,11 @@ static void end_cell(const Out *out, const TokenParams *p, int64_t sc, Local *L)
         out->joint_lr2[first] += L->lr2[tb];       /* read per cell only: on its first bin */
         out->joint_exp_abs[first] += L->e_abs[tb];
         out->n_lr_zero[cell] += L->n_zero[tb];
-        for (int j = 0; j < N_PSUMS; j++) out->p_sums[j * p->n_cells + cell] += L->psum[tb * N_PSUMS + j];
-        if (L->max_adp[tb] > out->max_abs_dp[cell]) out->max_abs_dp[cell] = L->max_adp[tb];
+        const V4 *lanes = L->psum + tb * (N_PSUMS + 1);
+        for (int j = 0; j < N_PSUMS; j++)
+            out->p_sums[j * p->n_cells + cell] += (lanes[j][0] + lanes[j][1]) + (lanes[j][2] + lanes[j][3]);
+        for (int j = 0; j < 4; j++)
+            if (lanes[N_PSUMS][j] > out->max_abs_dp[cell]) out->max_abs_dp[cell] = lanes[N_PSUMS][j];
         V4 *local = L->joint + tb * COPIES * nc;
         for (int64_t j = 0; j < nc; j++) {
             V4 sum = local[j];
@@ -474,18 +480,21 @@ static inline __attribute__((always_inline)) Run run_sums(const Block *restrict 
     return out;
 }
 
-/* The probability-space sums of a run [k, r) in four lanes, added into sums[N_PSUMS]; its largest
- * |p_T - p_S| returned. A loop of its own: in run_sums' loop their accumulators would not fit the
- * registers. Rare tokens hold 0 here and add nothing. */
-static inline __attribute__((always_inline)) double run_psums(const Block *restrict b, int64_t k, int64_t r,
-                                                              double *restrict sums) {
-    V4 s_ps = {0}, s_dp = {0}, s_ps2 = {0}, s_psdp = {0}, s_dp2 = {0}, s_adp = {0}, mx = {0};
+/* The probability-space sums of a run [k, r) added into the turn bucket's lanes acc[N_PSUMS], and
+ * its largest |p_T - p_S| into acc[N_PSUMS] (lanes: reduced once per cell, in end_cell, not once per
+ * run). A loop of its own: in run_sums' loop their accumulators would not fit the registers. Rare
+ * tokens hold 0 here and add nothing. */
+static inline __attribute__((always_inline)) void run_psums(const Block *restrict b, int64_t k, int64_t r,
+                                                            V4 *restrict acc) {
+    V4 s_ps = acc[0], s_dp = acc[1], s_ps2 = acc[2], s_psdp = acc[3], s_dp2 = acc[4], s_adp = acc[5],
+       mx = acc[6];
+    const V4 zero = {0.0, 0.0, 0.0, 0.0};
     int64_t i = k;
     for (; i + 4 <= r; i += 4) {
         V4 ps, dp;
         memcpy(&ps, b->ps + i, sizeof ps);
         memcpy(&dp, b->dp + i, sizeof dp);
-        const V4 adp = pick((V4I)(dp < 0.0), -dp, dp);
+        const V4 adp = pick((V4I)(dp < zero), -dp, dp);
         s_ps += ps;
         s_dp += dp;
         s_ps2 += ps * ps;
@@ -494,25 +503,23 @@ static inline __attribute__((always_inline)) double run_psums(const Block *restr
         s_adp += adp;
         mx = pick((V4I)(adp > mx), adp, mx);
     }
-    const V4 *lanes[N_PSUMS] = {&s_ps, &s_dp, &s_ps2, &s_psdp, &s_dp2, &s_adp};
-    for (int j = 0; j < N_PSUMS; j++) {
-        const V4 v = *lanes[j];
-        sums[j] += (v[0] + v[1]) + (v[2] + v[3]);
-    }
-    double m = mx[0] > mx[1] ? mx[0] : mx[1];
-    m = mx[2] > m ? mx[2] : m;
-    m = mx[3] > m ? mx[3] : m;
-    for (; i < r; i++) {
+    for (int j = 0; i < r; i++, j++) {          /* the last 1-3 tokens, one lane each */
         const double ps = b->ps[i], dp = b->dp[i], adp = fabs(dp);
-        sums[0] += ps;
-        sums[1] += dp;
-        sums[2] += ps * ps;
-        sums[3] += ps * dp;
-        sums[4] += dp * dp;
-        sums[5] += adp;
-        m = adp > m ? adp : m;
+        s_ps[j] += ps;
+        s_dp[j] += dp;
+        s_ps2[j] += ps * ps;
+        s_psdp[j] += ps * dp;
+        s_dp2[j] += dp * dp;
+        s_adp[j] += adp;
+        mx[j] = adp > mx[j] ? adp : mx[j];
     }
-    return m;
+    acc[0] = s_ps;
+    acc[1] = s_dp;
+    acc[2] = s_ps2;
+    acc[3] = s_psdp;
+    acc[4] = s_dp2;
+    acc[5] = s_adp;
+    acc[6] = mx;
 }
 
 /* Both stages over every block; built for AVX-512, for AVX2 + FMA and for baseline x86-64,
@@ -568,8 +575,7 @@ static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n
                 hist[blk->bin[i]]++;
             }
             const Run run = run_sums(blk, k, r, NB);
-            const double run_adp = run_psums(blk, k, r, L->psum + tb * N_PSUMS);
-            L->max_adp[tb] = run_adp > L->max_adp[tb] ? run_adp : L->max_adp[tb];
+            run_psums(blk, k, r, L->psum + tb * (N_PSUMS + 1));
             seq_lr += run.lr;
             seq_exp += run.e_abs;
             const double run_abs = -run.min_lr > run.max_lr ? -run.min_lr : run.max_lr;
@@ -624,18 +630,17 @@ int64_t mm_token_pass(const TokenPass *a) {
     Local L = {0};
     L.joint = aligned_alloc(64, (n_joint * sizeof(V4) + 63) / 64 * 64);
     L.hist = calloc((size_t)(T * (NB + 1)), sizeof(int32_t));
-    double *sums = malloc((size_t)((5 + N_PSUMS) * T) * sizeof(double));
+    double *sums = malloc((size_t)(4 * T) * sizeof(double));
+    L.psum = aligned_alloc(64, ((size_t)T * (N_PSUMS + 1) * sizeof(V4) + 63) / 64 * 64);
     int64_t *ints = calloc((size_t)(5 * T), sizeof(int64_t));
     Block *blk = aligned_alloc(64, (sizeof(Block) + 63) / 64 * 64);
     int64_t valid = -2;
-    if (L.joint && L.hist && sums && ints && blk) {
+    if (L.joint && L.hist && sums && L.psum && ints && blk) {
         memset(L.joint, 0, n_joint * sizeof(V4));
         L.lr2 = sums;
         L.e_abs = sums + T;
         L.min_lr = sums + 2 * T;
         L.max_lr = sums + 3 * T;
-        L.max_adp = sums + 4 * T;
-        L.psum = sums + 5 * T;
         L.lo = ints;
         L.hi = ints + T;
         L.used = ints + 2 * T;        /* [T] the list, then [T] flags */
@@ -646,6 +651,7 @@ int64_t mm_token_pass(const TokenPass *a) {
     }
     free(L.joint);
     free(L.hist);
+    free(L.psum);
     free(sums);
     free(ints);
     free(blk);
