@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import CONFIG, make_data  # noqa: E402
 from timing import durations  # noqa: E402
 
-from mismatch_monitor.collectors.distributed import Shard, merge_parts  # noqa: E402
+from mismatch_monitor.collectors.distributed import merge_parts, shard  # noqa: E402
 from mismatch_monitor.collectors.rank_payload import pack  # noqa: E402
 from mismatch_monitor.engine import compute_stats, merge  # noqa: E402
 from mismatch_monitor.exemplars import merge_exemplars, tail_exemplars  # noqa: E402
@@ -48,8 +48,7 @@ def rank_shard(n_tokens: int, rank: int):
     stats = compute_stats(batch, CONFIG)
     tails = tail_exemplars(batch, K, CONFIG)
     frames = tails.frames() if hasattr(tails, "frames") else tails       # what the collector hands the reducer
-    exemplars = {name: df.assign(rank=rank) for name, df in frames.items()}
-    return batch, stats, Shard(None, pack(stats), tuple(stats.dims), exemplars, rank, None, stats.params)
+    return batch, stats, shard(stats, frames, rank), {name: df.assign(rank=rank) for name, df in frames.items()}
 
 
 def main() -> None:
@@ -60,12 +59,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ranks = [rank_shard(args.tokens, r) for r in range(max(args.worlds))]
-    batch, stats, shard = ranks[0]
+    batch, stats, _, _ = ranks[0]
     engine = median(lambda: compute_stats(batch, CONFIG), args.repeat)
     packing = median(lambda: pack(stats), args.repeat)
     frames_pickling = median(lambda: pickle.dumps(stats.tables), args.repeat)
-    sizes = [len(pickle.dumps(s)) for _, _, s in ranks]
-    old_sizes = [len(pickle.dumps(s._replace(tables=st.tables))) for _, st, s in ranks]
+    sizes = [len(pickle.dumps(s)) for _, _, s, _ in ranks]
+    old_sizes = [len(pickle.dumps(s._replace(tables=st.tables, exemplars=ex))) for _, st, s, ex in ranks]
     print(f"{args.tokens:,} tokens per rank, one thread; medians over {args.repeat}; ratios are to the engine")
     print(f"engine {engine:.4f} s | pack {packing:.4f} s ({packing / engine:.2f}) | pickle frames "
           f"{frames_pickling:.4f} s ({frames_pickling / engine:.2f})")
@@ -76,12 +75,12 @@ def main() -> None:
     print(f"{'W':>3} {'unpickle s':>11} {'merge s':>8} {'ratio':>6} {'unpickle+merge':>15} {'ratio':>6} "
           f"{'frames s':>9} {'ratio':>6}")
     for W in args.worlds:
-        blobs = [pickle.dumps(s) for _, _, s in ranks[:W]]
+        blobs = [pickle.dumps(s) for _, _, s, _ in ranks[:W]]
         parts = [pickle.loads(b) for b in blobs]
         unpickle = median(lambda: [pickle.loads(b) for b in blobs], args.repeat)
         merging = median(lambda: merge_parts(parts, K), args.repeat)
-        frames = median(lambda: (merge([st for _, st, _ in ranks[:W]]),
-                                 merge_exemplars([s.exemplars for _, _, s in ranks[:W]], K)), max(1, args.repeat // 2))
+        frames = median(lambda: (merge([st for _, st, _, _ in ranks[:W]]),
+                                 merge_exemplars([ex for _, _, _, ex in ranks[:W]], K)), max(1, args.repeat // 2))
         print(f"{W:>3} {unpickle:>11.4f} {merging:>8.4f} {merging / engine:>6.2f} {unpickle + merging:>15.4f} "
               f"{(unpickle + merging) / engine:>6.2f} {frames:>9.4f} {frames / engine:>6.2f}")
 

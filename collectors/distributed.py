@@ -43,7 +43,8 @@ import pandas as pd
 import torch.distributed as dist
 
 from mismatch_monitor.engine import MismatchStats
-from .rank_merge import merge_packed, top_exemplars
+from .rank_exemplars import PackedFrame, pack_exemplars, top_exemplars
+from .rank_merge import merge_packed
 from .rank_payload import PackedStats, pack
 
 Exemplars = dict[str, pd.DataFrame]
@@ -55,7 +56,7 @@ class Shard(NamedTuple):
     step: int | None
     tables: PackedStats | dict[str, pd.DataFrame]   # packed as sent; frames are packed on merging
     dims: tuple[str, ...]
-    exemplars: Exemplars
+    exemplars: dict[str, PackedFrame] | Exemplars    # packed as sent (with the rank column), or frames
     rank: int
     error: tuple[str, str] | None = None     # (exception class, message) of a rejected batch
     params: tuple | None = None              # MismatchStats.params: ranks of other configs do not merge
@@ -124,10 +125,7 @@ class DistributedReducer:
                  error: BaseException | None = None) -> tuple[MismatchStats, Exemplars]:
         """Merge this step's shards (``error``: why this rank's own batch was rejected; it then
         sends empty statistics so that no rank waits)."""
-        # an exemplar's seq_index counts within its own rank's batch: keep the rank beside it
-        exemplars = {name: df.assign(rank=self.rank) for name, df in exemplars.items()}
-        payload = Shard(step, pack(stats), tuple(stats.dims), exemplars, self.rank,
-                        None if error is None else (type(error).__name__, str(error)), stats.params)
+        payload = shard(stats, exemplars, self.rank, step=step, error=error)
         if self.all_ranks:
             parts: list[Any] = [None] * self.world_size
             dist.all_gather_object(parts, payload, group=self.group)
@@ -135,7 +133,7 @@ class DistributedReducer:
             parts = [None] * self.world_size if self.is_writer else None
             dist.gather_object(payload, parts, dst=self.dst, group=self.group)
             if not self.is_writer:
-                return stats, exemplars
+                return stats, {name: df.assign(rank=self.rank) for name, df in exemplars.items()}
         merged, exemplars, rejected = merge_parts(parts, self.exemplars_k, step=step)
         if self.is_writer:
             self._rejections.extend(r for r in rejected if r.rank != self.rank)   # its own is noted
@@ -145,6 +143,14 @@ class DistributedReducer:
         """Shards of other ranks left out of the steps merged since the last call (writer only)."""
         out, self._rejections = self._rejections, []
         return out
+
+
+def shard(stats: MismatchStats, exemplars: Exemplars, rank: int, *, step: int | None = None,
+          error: BaseException | None = None) -> Shard:
+    """What a rank sends: its statistics and exemplars packed, each exemplar with its rank (an
+    exemplar's seq_index counts within its own rank's batch)."""
+    return Shard(step, pack(stats), tuple(stats.dims), pack_exemplars(exemplars, rank), rank,
+                 None if error is None else (type(error).__name__, str(error)), stats.params)
 
 
 def merge_parts(parts: list[Shard], exemplars_k: int, *, step: int | None = None

@@ -4,8 +4,8 @@ A pickled ``MismatchStats`` carries every label string of every row (the |lr| hi
 has tens of thousands of rows a step, each repeating its cell's five labels) and pandas' frame
 overhead: 3-4 MB a rank at 100,000 tokens with realistic slicing. Here each table travels as
 
-- its cells once (a row per run of rows with the same cell keys: the labels as codes into the
-  table's label dictionary, the length and turn buckets), and per row the index of its cell;
+- its cells once (a cell per run of rows with the same cell keys: the labels as codes into the
+  table's label dictionary, the length and turn buckets) and each run's length;
 - its last key column (``bin``, ``bucket``, ``layer``, ``staleness``) and its value columns, as
   numpy arrays; integer columns in the narrowest integer type that holds their range (lossless:
   the merge widens them back to int64 before adding).
@@ -35,14 +35,15 @@ NULL_INT = -1
 
 class PackedTable(NamedTuple):
     """One statistics table. ``cells[k]`` [C]: the value of cell key ``k`` per cell (codes into
-    ``labels[k]`` for string keys, -1 for null; integers otherwise, -1 for a null turn bucket);
-    ``cell_of_row`` [n]: each row's cell (None: row i is cell i); ``row_key`` [n]: the table's
-    last extra key column per row (None for tables without one); ``values``: value columns."""
+    ``labels[k]`` (a tuple of the distinct labels) for string keys, -1 for null; integers
+    otherwise, -1 for a null turn bucket); ``run`` [C]: each cell's number of rows, which follow
+    one another (None: a row per cell); ``row_key`` [n]: the table's last extra key column per
+    row (None for tables without one); ``values``: value columns."""
 
     n_rows: int
-    labels: dict[str, np.ndarray]
+    labels: dict[str, tuple[str, ...]]
     cells: dict[str, np.ndarray]
-    cell_of_row: np.ndarray | None
+    run: np.ndarray | None
     row_key: np.ndarray | None
     values: dict[str, np.ndarray]
 
@@ -93,14 +94,15 @@ def _changes(column: object, string: bool) -> np.ndarray | None:
     return differ.to_numpy(zero_copy_only=False)
 
 
-def _label_codes(column: object) -> tuple[np.ndarray, np.ndarray]:
-    """Codes of a string column into its distinct labels (null: -1), and those labels."""
+def _label_codes(column: object) -> tuple[np.ndarray, tuple[str, ...]]:
+    """Codes of a string column into its distinct labels (null: -1), and those labels (a
+    tuple: it pickles as fast as its strings, an object array does not)."""
     arrow = pa.array(column)
     if arrow.null_count == len(arrow):
-        return np.full(len(arrow), -1, dtype=np.int64), np.array([], dtype=object)
+        return np.full(len(arrow), -1, dtype=np.int64), ()
     encoded = pc.dictionary_encode(arrow)
     codes = pc.fill_null(encoded.indices, -1).to_numpy(zero_copy_only=False)
-    return codes, encoded.dictionary.to_numpy(zero_copy_only=False).astype(object)
+    return codes, tuple(encoded.dictionary.to_pylist())
 
 
 def pack_table(df: pd.DataFrame, table: str, dims: Sequence[str]) -> PackedTable:
@@ -127,7 +129,7 @@ def pack_table(df: pd.DataFrame, table: str, dims: Sequence[str]) -> PackedTable
             c, labels[k] = _label_codes(c)
         cells[k] = narrow(np.asarray(c, dtype=np.int64))
     return PackedTable(
-        n, labels, cells, None if at is None else narrow(np.cumsum(starts) - 1),
+        n, labels, cells, None if at is None else narrow(np.diff(at, append=n)),
         None if row_key is None else narrow(np.asarray(cols[row_key], dtype=np.int64)),
         {name: narrow(np.asarray(cols[name])) for name in merge_rules(table)})
 
@@ -143,7 +145,7 @@ def payload_bytes(packed: PackedStats) -> int:
     """Bytes of the arrays of a packed shard (the pickle adds a few kB of names and headers)."""
     total = 0
     for t in packed.tables.values():
-        arrays = [*t.cells.values(), *t.values.values(), t.cell_of_row, t.row_key]
+        arrays = [*t.cells.values(), *t.values.values(), t.run, t.row_key]
         total += sum(a.nbytes for a in arrays if a is not None)
         total += sum(len(str(s)) for u in t.labels.values() for s in u)
     return total

@@ -14,7 +14,8 @@ import torch
 
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.collectors.distributed import Shard, merge_parts
-from mismatch_monitor.collectors.rank_merge import merge_packed, top_exemplars
+from mismatch_monitor.collectors.rank_exemplars import pack_exemplars, top_exemplars
+from mismatch_monitor.collectors.rank_merge import merge_packed
 from mismatch_monitor.collectors.rank_payload import narrow, pack
 from mismatch_monitor.config import MetricConfig
 from mismatch_monitor.engine import MismatchStats, compute_stats, merge

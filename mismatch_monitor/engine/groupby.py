@@ -15,7 +15,7 @@ are a group of their own (as in SQL's GROUP BY); groups come in key order, nulls
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
@@ -85,22 +85,20 @@ def group(parts: Sequence[Columns], keys: Sequence[str], *, within: int | None =
     lengths = [_length(p) for p in parts]
     total = sum(lengths)
     bounds = np.cumsum([0] + lengths)
-    code = np.zeros(total, dtype=np.int64)
+    code, space = np.zeros(total, dtype=np.int64), 1
     key_codes: dict[str, np.ndarray] = {}
     uniques: dict[str, object] = {}
     for k in keys:  # loop over key columns, not rows
         per_part, uniques[k] = _key_codes(parts, k, lengths)
         key_codes[k] = np.concatenate(per_part) if per_part else np.zeros(0, dtype=np.int64)
-        # combined codes stay dense and sorted (lexicographic in the keys): no overflow with many
-        # keys (a first key's codes already are: every value in the dictionary is some row's)
-        code = key_codes[k] if k == keys[0] else pd.factorize(
-            code * len(uniques[k]) + key_codes[k], sort=True)[0].astype(np.int64)
+        # mixed radix over the keys' sorted codes: lexicographic in the keys
+        code, space = combine(code, space, key_codes[k], len(uniques[k]))
     if not keys:
         size = 1 if total else 0
         first = np.zeros(size, dtype=np.int64)
     else:
-        _, first = np.unique(code, return_index=True)
-        size = len(first)
+        coded = by_codes(code, space)
+        code, first, size = coded.rows(), coded.first(), coded.size
     if within is not None:
         lo, hi = bounds[within], bounds[within + 1]
         kept = np.zeros(size, dtype=bool)
@@ -109,6 +107,76 @@ def group(parts: Sequence[Columns], keys: Sequence[str], *, within: int | None =
         code, first, size = renumber[code], first[kept], int(kept.sum())
     values = {k: _take(uniques[k], key_codes[k][first]) for k in keys}
     return Groups(tuple(code[bounds[i]:bounds[i + 1]] for i in range(len(parts))), size, values)
+
+
+# mixed-radix codes stay below this; a wider space is made dense (its sorted unique codes) first
+_CODE_LIMIT = 1 << 62
+
+
+def combine(code: np.ndarray, space: int, more: np.ndarray, radix: int) -> tuple[np.ndarray, int]:
+    """Codes of (``code``, ``more``) pairs in their lexicographic order, and their space:
+    ``code * radix + more`` for ``code`` in 0..space-1 and ``more`` in 0..radix-1. When the
+    product would overflow, ``code`` is made dense first (its sorted unique values, order kept)."""
+    if space * radix >= _CODE_LIMIT:
+        uniques, code = np.unique(code, return_inverse=True)
+        space = len(uniques)
+    return code * radix + more, space * radix
+
+
+def dense_space(n: int, space: int) -> bool:
+    """Group ``n`` rows with codes in 0..space-1 by the codes themselves (a slot per code; no
+    sort) rather than by sorting: the space is not much larger than the rows (zeroing a slot
+    costs far less than sorting a row) and its arrays stay a few MB."""
+    return space <= min(32 * n + 1024, 1 << 23)
+
+
+class Coded(NamedTuple):
+    """Rows grouped by integer codes, groups in code order. ``slot`` [n]: each row's slot in
+    0..slots-1; ``codes`` [G]: each group's code. Dense (:func:`dense_space`): a row's slot is
+    its code and the slots no row has are no group (merge into ``slots`` slots, then take
+    :meth:`groups`); sorted: a row's slot is its group."""
+
+    slot: np.ndarray
+    slots: int
+    codes: np.ndarray
+
+    @property
+    def size(self) -> int:
+        return len(self.codes)
+
+    @property
+    def keep(self) -> np.ndarray | None:
+        """The slots that are groups, in order (None: every slot is)."""
+        return None if self.slots == len(self.codes) else self.codes
+
+    def groups(self, merged: np.ndarray) -> np.ndarray:
+        """[G] the groups' entries of a column merged into the slots ([slots])."""
+        return merged if self.keep is None else merged[self.codes]
+
+    def rows(self) -> np.ndarray:
+        """[n] each row's group (0..G-1)."""
+        if self.slots == len(self.codes):
+            return self.slot
+        group_of = np.empty(self.slots, dtype=np.int64)
+        group_of[self.codes] = np.arange(len(self.codes))
+        return group_of[self.slot]
+
+    def first(self) -> np.ndarray:
+        """[G] a row of each group (the same key values as every row of it)."""
+        row = np.empty(self.slots, dtype=np.int64)
+        row[self.slot] = np.arange(len(self.slot))
+        return self.groups(row)
+
+
+def by_codes(code: np.ndarray, space: int) -> Coded:
+    """Group rows by integer codes in 0..space-1 (nulls and key order are the caller's coding:
+    :func:`combine` of sorted key codes)."""
+    if dense_space(len(code), space):
+        present = np.zeros(space, dtype=bool)
+        present[code] = True
+        return Coded(code, space, np.flatnonzero(present))
+    codes, slot = np.unique(code, return_inverse=True)
+    return Coded(slot.reshape(-1), len(codes), codes)
 
 
 def _take(uniques: object, at: np.ndarray) -> object:
@@ -143,27 +211,42 @@ def logsumexp_by(values: np.ndarray, group: np.ndarray, G: int) -> np.ndarray:
     return np.where(np.bincount(group[has], minlength=G) > 0, out, np.nan)
 
 
-def merge_column(values: np.ndarray, rule: str, group: np.ndarray, G: int) -> np.ndarray:
+def merge_column(values: np.ndarray, rule: str, group: np.ndarray, G: int,
+                 keep: np.ndarray | None = None) -> np.ndarray:
     """One value column merged by its rule into groups 0..G-1 (``group`` [n]): integer sums
     stay exact, NaN extremes are skipped, a group without a value is NaN for max/min (and
-    logsumexp, :func:`logsumexp_by`)."""
+    logsumexp, :func:`logsumexp_by`). ``keep``: only those groups, in that order (the groups of
+    a dense :class:`Coded`: taken before any conversion of the slots)."""
+    def kept(merged: np.ndarray) -> np.ndarray:
+        return merged if keep is None else merged[keep]
+
     if rule == "logsumexp":
-        return logsumexp_by(values, group, G)
+        return kept(logsumexp_by(values, group, G))
     if G == 1:              # every row in one group: a plain reduction (a step's total, every step)
-        return _total(values, rule)
+        return kept(_total(values, rule))
     if rule == "sum":
         if values.dtype.kind in "iu":
             # bincount sums in float64: exact while every partial sum stays below 2^53, which
             # |values| * rows bounds; np.add.at (exact in int64 always) is several times slower
-            if len(values) == 0 or int(np.abs(values).max()) * len(values) < 2 ** 53:
-                return np.bincount(group, weights=values, minlength=G).astype(np.int64)
+            if len(values) == 0 or _magnitude(values) * len(values) < 2 ** 53:
+                return kept(np.bincount(group, weights=values, minlength=G)).astype(np.int64)
             summed = np.zeros(G, dtype=np.int64)
             np.add.at(summed, group, values)
-            return summed
-        return np.bincount(group, weights=values, minlength=G).astype(values.dtype)
+            return kept(summed)
+        return kept(np.bincount(group, weights=values, minlength=G)).astype(values.dtype, copy=False)
     acc = np.full(G, np.nan)
-    (np.fmax if rule == "max" else np.fmin).at(acc, group, values.astype(np.float64))
+    (np.fmax if rule == "max" else np.fmin).at(acc, group, values.astype(np.float64, copy=False))
+    acc = kept(acc)
     return acc.astype(values.dtype) if values.dtype.kind in "iu" else acc
+
+
+def _magnitude(values: np.ndarray) -> int:
+    """A bound on |value| of an integer array: its type's when that is small (narrowed columns:
+    no pass over the values), else the values' own."""
+    if values.itemsize <= 4:
+        info = np.iinfo(values.dtype)
+        return max(-int(info.min), int(info.max))
+    return max(-int(values.min()), int(values.max()))
 
 
 def _total(values: np.ndarray, rule: str) -> np.ndarray:
