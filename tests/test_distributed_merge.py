@@ -6,6 +6,7 @@ pickled here, as ``gather_object`` would carry them."""
 from __future__ import annotations
 
 import pickle
+from unittest import mock
 
 import numpy as np
 import pandas as pd
@@ -18,7 +19,7 @@ from mismatch_monitor.collectors.rank_exemplars import pack_exemplars, top_exemp
 from mismatch_monitor.collectors.rank_merge import merge_packed
 from mismatch_monitor.collectors.rank_payload import narrow, pack
 from mismatch_monitor.config import MetricConfig
-from mismatch_monitor.engine import MismatchStats, compute_stats, merge
+from mismatch_monitor.engine import MismatchStats, compute_stats, groupby, merge
 from mismatch_monitor.exemplars import EXEMPLAR_TABLES, merge_exemplars, tail_exemplars
 
 from test_distributed_reducer import CONFIG, make_batch
@@ -50,10 +51,15 @@ def parts() -> list[MismatchStats]:
     return [compute_stats(b, CONFIG) for b in batches]
 
 
-def test_packed_merge_is_the_engine_merge_bit_for_bit():
+@pytest.mark.parametrize("dense", [None, True, False])
+def test_packed_merge_is_the_engine_merge_bit_for_bit(dense):
+    """``dense``: the group-by's codes grouped by slot (True) or by sorting (False) everywhere."""
     stats = parts()
+    choose = groupby.dense_space if dense is None else (lambda n, space: dense)
     for subset in (stats[:1], stats[:2], stats[1:], stats, stats[::-1], [stats[0], stats[0]]):
-        assert_same(merge_packed([pickle.loads(pickle.dumps(pack(s))) for s in subset]), merge(subset))
+        with mock.patch.object(groupby, "dense_space", choose):
+            got = merge_packed([pickle.loads(pickle.dumps(pack(s))) for s in subset])
+        assert_same(got, merge(subset))
 
 
 def test_null_turn_buckets_and_missing_labels_merge_as_the_engine_merges_them():
@@ -101,8 +107,10 @@ def test_narrowed_integers_keep_their_values():
     assert narrow(np.array([0, 127])).dtype == np.int8 and narrow(np.array([2**40])).dtype == np.int64
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("k", [0, 1, 4, 50])
-def test_top_exemplars_are_merge_exemplars(k):
+def test_top_exemplars_are_merge_exemplars(k, packed):
+    """``packed``: the sets as ranks send them (columns, pickled), else as frames."""
     config = MetricConfig(length_edges=(4, 8, 16), turn_edges=(1, 2))
     sets = []
     for r, seed in enumerate((1, 2, 3, 4)):
@@ -115,6 +123,27 @@ def test_top_exemplars_are_merge_exemplars(k):
     sets[1] = dict(sets[1], exemplar_tokens=sets[1]["exemplar_tokens"].assign(abs_log_ratio=np.nan))
     sets.append({})
     want = merge_exemplars(sets, k)
-    got = top_exemplars(sets, k)
+    got = top_exemplars([pickle.loads(pickle.dumps(pack_exemplars(e))) for e in sets] if packed else sets, k)
+    for name in EXEMPLAR_TABLES:
+        pd.testing.assert_frame_equal(got[name], want[name], check_exact=True, obj=name)
+
+
+def test_exemplars_of_ranks_with_other_labels_merge_as_frames_do():
+    """A rank with an extra label dimension sends other columns: the merge is merge_exemplars's."""
+    config = MetricConfig(length_edges=(4, 8, 16), turn_edges=(1, 2))
+    sets, raw = [], []
+    for r, seed in enumerate((1, 2, 3)):
+        tails = tail_exemplars(make_batch(seed, 8), 4, config)
+        frames = tails.frames() if hasattr(tails, "frames") else tails
+        if r == 1:                # a label outside the standard dimensions, on this rank only
+            frames = {name: df.assign(region=pd.array(["eu"] * len(df), dtype="string"))
+                      for name, df in frames.items()}
+        raw.append(frames)
+        sets.append({name: df.assign(rank=r) for name, df in frames.items()})
+    assert set(sets[1]["exemplar_tokens"].columns) != set(sets[0]["exemplar_tokens"].columns)
+    # packed as the reducer packs them: the rank column added on packing
+    shards = [pickle.loads(pickle.dumps(pack_exemplars(f, rank=r))) for r, f in enumerate(raw)]
+    want = merge_exemplars(sets, 6)
+    got = top_exemplars(shards, 6)
     for name in EXEMPLAR_TABLES:
         pd.testing.assert_frame_equal(got[name], want[name], check_exact=True, obj=name)

@@ -1,16 +1,19 @@
 """The one Python group-by (``engine/groupby.py``) against a plain dictionary grouping written
-row by row: keys spread over several parts, nulls of every kind, categoricals, ``within``."""
+row by row: keys spread over several parts, nulls of every kind, categoricals, ``within``, and
+both ways of grouping codes (a slot per code, or sorted unique codes)."""
 
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pandas as pd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mismatch_monitor.engine.groupby import columns_of, group, merge_columns
+from mismatch_monitor.engine import groupby
+from mismatch_monitor.engine.groupby import by_codes, columns_of, combine, group, merge_column, merge_columns
 
 LABELS = ["a", "b", "c", None]
 
@@ -44,12 +47,15 @@ def _frame(rows: list[tuple], form: int) -> pd.DataFrame:
                          "x": np.array([r[3] for r in rows], dtype=np.float64)})
 
 
-@settings(max_examples=60, deadline=None)
-@given(parts_strategy, st.integers(0, 2), st.booleans())
-def test_groups_and_merges_match_a_row_by_row_dictionary(parts, form, within):
+@settings(max_examples=80, deadline=None)
+@given(parts_strategy, st.integers(0, 2), st.booleans(), st.sampled_from([None, True, False]))
+def test_groups_and_merges_match_a_row_by_row_dictionary(parts, form, within, dense):
+    """``dense``: codes grouped by slot (True) or by sorting (False), whatever their space."""
     frames = [_frame(rows, (form + i) % 3) for i, rows in enumerate(parts)]
     keys = ["pool", "turn"]
-    groups = group([columns_of(f) for f in frames], keys, within=0 if within else None)
+    choose = groupby.dense_space if dense is None else (lambda n, space: dense)
+    with mock.patch.object(groupby, "dense_space", choose):
+        groups = group([columns_of(f) for f in frames], keys, within=0 if within else None)
 
     expected: dict[tuple, list[tuple]] = {}
     for f in frames:
@@ -99,3 +105,46 @@ def test_integer_sums_stay_exact_beyond_float64s_integers():
     small = np.arange(1000, dtype=np.int64)
     merged = merge_columns({"n": small}, {"n": "sum"}, small % 7, 7)["n"]
     assert merged.tolist() == [int(small[small % 7 == g].sum()) for g in range(7)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(-9, 9),
+                          st.floats(-1e3, 1e3, allow_nan=False)), max_size=40),
+       st.sampled_from([1, 10 ** 6, 2 ** 40]))
+def test_mixed_radix_codes_group_as_a_sorted_dictionary(rows, scale):
+    """Two keys spread by ``scale``: a small space is grouped by slot, a wide one by sorting, and
+    the widest (past 2^62) is made dense before the second key joins it."""
+    a = np.array([r[0] for r in rows], dtype=np.int64) * scale
+    b = np.array([r[1] for r in rows], dtype=np.int64) * scale
+    n = np.array([r[2] for r in rows], dtype=np.int64)
+    x = np.array([r[3] for r in rows], dtype=np.float64)
+    code, space = combine(np.zeros(len(rows), dtype=np.int64), 1, a, 6 * scale)
+    code, space = combine(code, space, b, 4 * scale)
+    coded = by_codes(code, space)
+
+    order = sorted({(r[0], r[1]) for r in rows})
+    assert coded.size == len(order)
+    group_of_row = coded.rows()
+    assert [order.index((r[0], r[1])) for r in rows] == group_of_row.tolist()
+    first = coded.first()
+    assert [(rows[i][0], rows[i][1]) for i in first] == order
+    for rule, reduce in (("sum", sum), ("max", max), ("min", min)):
+        for values in (n, x):
+            merged = merge_column(values, rule, coded.slot, coded.slots, coded.keep)
+            want = [reduce(v for v, r in zip(values.tolist(), rows) if (r[0], r[1]) == k) for k in order]
+            assert merged.tolist() == want
+            assert merged.dtype == (np.int64 if values is n else np.float64)
+    assert coded.codes.tolist() == sorted(set(code.tolist()))
+
+
+def test_dense_and_sorted_grouping_agree_on_wide_sparse_codes():
+    code = np.array([7, 3, 10 ** 7, 3, 7, 0], dtype=np.int64)
+    for dense in (True, False):
+        with mock.patch.object(groupby, "dense_space", lambda n, space: dense):
+            coded = by_codes(code, 10 ** 7 + 1)
+        assert coded.codes.tolist() == [0, 3, 7, 10 ** 7]
+        assert coded.rows().tolist() == [2, 1, 3, 1, 2, 0]
+        # dense: a slot per code, the merged slots taken at the groups' codes
+        assert coded.slots == (10 ** 7 + 1 if dense else 4)
+        assert coded.groups(np.arange(coded.slots)).tolist() == ([0, 3, 7, 10 ** 7] if dense else [0, 1, 2, 3])
+    assert not groupby.dense_space(6, 10 ** 7 + 1) and groupby.dense_space(6, 64)
