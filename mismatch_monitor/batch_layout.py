@@ -48,8 +48,11 @@ class PaddedRows:
         self.mask = mask                                  # [B, T] bool
         self._np = _as_numpy(mask)
         B = mask.shape[0]
+        self._runs: list[tuple[int, int, int]] | None = None
         if self._np is not None:
-            self.lengths = torch.from_numpy(np.count_nonzero(self._np, axis=1).astype(np.int64))
+            lengths = np.count_nonzero(self._np, axis=1)
+            self.lengths = torch.from_numpy(lengths.astype(np.int64))
+            self._runs = _single_runs(self._np, lengths)
         else:
             self.lengths = mask.sum(1, dtype=torch.int64)
         self.offsets = torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
@@ -60,5 +63,25 @@ class PaddedRows:
         arr = _as_numpy(t) if self._np is not None else None
         if arr is None:
             return t[self.mask]
-        out = torch.from_numpy(np.ascontiguousarray(arr[self._np]))
+        if self._runs is not None:       # each row one run of slots: copy the runs, no mask read
+            out = torch.from_numpy(_concat([arr[b, f:e] for b, f, e in self._runs], arr))
+        else:
+            out = torch.from_numpy(np.ascontiguousarray(arr[self._np]))
         return out.view(t.dtype) if t.dtype in _VIEWS else out
+
+
+def _single_runs(mask: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, int]] | None:
+    """(row, first slot, end) of each row when every non-empty row's tokens are one run of
+    consecutive slots (a response mask usually is: prompt padding, response, end padding), else
+    None. A row's run starts at its first token (``argmax`` of a bool row stops there) and holds
+    ``lengths[b]`` slots, every one a token; with ``lengths[b]`` tokens in the row, those are all."""
+    first = mask.argmax(1)
+    runs = [(b, f, f + n) for b, (f, n) in enumerate(zip(first.tolist(), lengths.tolist())) if n]
+    if not runs or not _concat([mask[b, f:e] for b, f, e in runs], mask).all():
+        return None
+    return runs
+
+
+def _concat(parts: list[np.ndarray], like: np.ndarray) -> np.ndarray:
+    """The rows of ``parts`` one after the other (an empty [0, ...] array of ``like``'s dtype when none)."""
+    return np.concatenate(parts) if parts else np.empty((0,) + like.shape[2:], dtype=like.dtype)

@@ -233,11 +233,20 @@ def _flat_from_rows(values, mask):
     return torch.cat(rows), [0, *np.cumsum(lengths).tolist()]
 
 
+@pytest.mark.parametrize("layout", ["scattered", "runs", "runs_but_one"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_padded_and_flat_layouts_give_identical_tokens_and_statistics(dtype):
+def test_padded_and_flat_layouts_give_identical_tokens_and_statistics(dtype, layout):
     g = torch.Generator().manual_seed(7)
     Bp, Tp = 6, 40
-    mask = torch.rand(Bp, Tp, generator=g) < 0.5        # non-contiguous rows
+    if layout == "scattered":
+        mask = torch.rand(Bp, Tp, generator=g) < 0.5    # non-contiguous rows
+    else:                                               # each row one run of slots (copied run by run)
+        mask = torch.zeros(Bp, Tp, dtype=torch.bool)
+        mask[0, :7] = True                              # from the first slot
+        mask[3, 31:] = True                             # to the last slot
+        mask[5, 12:13] = True                           # a single token
+        if layout == "runs_but_one":
+            mask[5, 20] = True                          # one row of two runs: every row is masked
     mask[1] = False                                     # an empty row
     mask[2] = True                                      # a row with every slot a token
     mask[4, :] = False
@@ -255,8 +264,9 @@ def test_padded_and_flat_layouts_give_identical_tokens_and_statistics(dtype):
                   advantages=torch.linspace(-1, 1, Bp))
     per_token = dict(turn_index=turn, in_trainer_support=support, trainer_experts=experts_t,
                      sampler_experts=experts_s, token_ids=tokens)
-    # an integer mask takes the same path as a bool one
-    p = TokenBatch.from_padded(trainer, sampler, mask.to(torch.int32), **common, **per_token)
+    # an integer mask takes the same path as a bool one; any non-zero value is a token
+    int_mask = mask.to(torch.int32) * torch.where(torch.arange(Tp) % 3 == 0, -3, 2)
+    p = TokenBatch.from_padded(trainer, sampler, int_mask, **common, **per_token)
     flat_t, offsets = _flat_from_rows(trainer, mask)
     f = TokenBatch.from_flat(flat_t, _flat_from_rows(sampler, mask)[0], seq_offsets=offsets, **common,
                              **{k: _flat_from_rows(v, mask)[0] for k, v in per_token.items()})
