@@ -3,9 +3,12 @@
 One warm start for the module (``sim``: the faulted fleet, whose engines stay up while the probe
 starts and stops one engine per format beside them); every pool is a real vLLM engine started
 from the trainer's weights. What is checked: each format's mismatch against the fp32 trainer, on the same
-prompts, orders fp32 < fp16 < bf16 < (int8, fp8) and fp32 is at rounding level; a truncated
+prompts, orders fp32 < fp16 < bf16 < (int8, fp8) and fp8 < int4, and fp32 is at rounding level
+(int8 is not placed against fp8 and int4: on an AVX2 CPU vLLM's oneDNN int8 matmul errs several
+times more than the W8A8 format itself, docs/SIMULATOR.md); a truncated
 pool's processed log-probs agree with the trainer's own renormalised top-p distribution; the
-engine reports the quantization it applied; a skipped sync and a sync without the prefix-cache
+engine reports the quantization it applied (int4 without a W4A16 kernel says it ran the int4 grid
+dequantized in bf16); a smoothed int8 checkpoint serves; a skipped sync and a sync without the prefix-cache
 reset each show in that pool only, and a resync (a real weight reload) restores it; a sync that
 breaks the weights (int8 reload_weights on the CPU) stops with the pool's name, and the int8
 pool's restart sync works beside the other live engines. Runtime: 2.3 min on 2 cores at load
@@ -28,6 +31,8 @@ import torch  # noqa: E402
 
 from mismatch_monitor.collectors import MismatchCollector  # noqa: E402
 from mismatch_monitor.sim import FaultSpec, PoolSpec, SimConfig, Simulation, StringTask  # noqa: E402
+from mismatch_monitor.sim import vllm_pool as pool_module  # noqa: E402
+from mismatch_monitor.sim import vllm_smoothquant  # noqa: E402
 from mismatch_monitor.sim.policy import PolicyShape  # noqa: E402
 from mismatch_monitor.sim.scenarios import VLLM_POLICY, VLLM_PREAMBLE  # noqa: E402
 
@@ -67,7 +72,8 @@ def probe(sim, tmp_path_factory):
     ``faulted`` runs after this); the fp32 trainer scores; the collector reports."""
     assert sim.trainer.version == 0
     pools = (vllm_pool("fp32", "fp32"), vllm_pool("fp16", "fp16"), vllm_pool("bf16", "bf16"),
-             vllm_pool("int8", "int8"), vllm_pool("fp8", "fp8_e4m3"), vllm_pool("topp", "bf16", top_p=0.8))
+             vllm_pool("int8", "int8"), vllm_pool("fp8", "fp8_e4m3"), vllm_pool("int4", "int4"),
+             vllm_pool("topp", "bf16", top_p=0.8))
     gen = torch.Generator().manual_seed(11)
     episodes = sim.config.task.sample(PROBE_EPISODES, gen, sim.config.alphabet)
     batch = sim.probe(pools, episodes, seed=3)
@@ -79,10 +85,12 @@ def probe(sim, tmp_path_factory):
 
 def test_k3_orders_the_formats_and_fp32_is_rounding(probe):
     report, _ = probe
-    k3 = {p: pool_report(report, p, "k3_kl") for p in ("fp32", "fp16", "bf16", "int8", "fp8")}
-    # int8 W8A8 against fp8 W8A8 depends on the activations' outliers (int8 per-token scales lose
-    # the small values beside an outlier, FP8 keeps a relative precision): both above bf16
+    k3 = {p: pool_report(report, p, "k3_kl") for p in ("fp32", "fp16", "bf16", "int8", "fp8", "int4")}
+    # the issue's order is fp32 < fp16 < bf16 < int8 < fp8 < int4; int8 is left out of the chain:
+    # on an AVX2 CPU vLLM's int8 W8A8 runs through oneDNN, whose per-layer error is 5-7x the W8A8
+    # format's own (measured against exact fp32 products), which puts int8 at int4's level
     assert k3["fp32"] < k3["fp16"] < k3["bf16"] < min(k3["int8"], k3["fp8"]), k3
+    assert k3["fp8"] < k3["int4"], k3
     assert k3["fp32"] < 1e-9, k3                        # same weights, fp32 both sides: rounding only
     assert pool_report(report, "fp32", "abs_log_ratio/max") < 1e-3
     assert k3["bf16"] > 1e3 * k3["fp32"]
@@ -103,6 +111,13 @@ def test_engines_report_what_they_applied(probe):
     assert engines["bf16"]["dtype"] == "bfloat16" and engines["bf16"]["quantization"] == "none"
     assert engines["int8"]["quantization"] == "compressed-tensors" and engines["int8"]["quantized_layers"] > 0
     assert engines["fp8"]["quantization"] == "fp8_per_channel" and engines["fp8"]["quantized_layers"] > 0
+    assert engines["int8"]["smoothing"] == "none"                    # SmoothQuant is opt-in
+    int4 = engines["int4"]
+    if int4["checkpoint"] == "int4":                                 # this CPU's build has the W4A16 kernel
+        assert int4["quantization"] == "compressed-tensors" and int4["quantized_layers"] > 0, int4
+    else:                                                            # it has not: said so, not hidden
+        assert int4["checkpoint"] == "int4_dequantized" and int4["quantization"] == pool_module.INT4_FALLBACK, int4
+        assert int4["quantized_layers"] == 0 and "wna16" in int4["engine_refused"], int4
     assert {e["logprobs_mode"] for e in engines.values()} == {"processed_logprobs"}
 
 
@@ -144,10 +159,7 @@ def test_sync_events_name_what_each_pool_received(faulted):
     assert kinds[(5, "noreset")] == "sync_no_cache_reset"
 
 
-def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkeypatch):
-    """reload_weights of a compressed-tensors int8 checkpoint gives NaN log-probs on the CPU: the
-    pool must say so at the sync (not feed NaN to the trainer), and its restart sync must work."""
-    from mismatch_monitor.sim import vllm_pool as pool_module
+def toy_policy():
     from mismatch_monitor.sim.policy import build_model, model_config
     from mismatch_monitor.sim.tokenizer import CharTokenizer
 
@@ -156,6 +168,28 @@ def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkey
     torch.manual_seed(0)
     state = {k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()}
     episodes = StringTask().sample(4, torch.Generator().manual_seed(0), tok.alphabet)
+    return tok, cfg, state, episodes
+
+
+def test_a_smoothed_int8_checkpoint_serves_and_is_recorded(monkeypatch):
+    tok, cfg, state, episodes = toy_policy()
+    monkeypatch.setattr(vllm_smoothquant, "ALPHA", 0.5)
+    sampler = pool_module.VllmPoolSampler(vllm_pool("int8", "int8"), cfg, tok)
+    try:
+        sampler.load(state, 0, "int8")
+        out = sampler.rollout(episodes, temperature=0.9, max_new_tokens=6, seed=0)
+        assert all(torch.isfinite(r.sampler_logprobs).all() and r.sampler_logprobs.numel() for r in out)
+        smoothing = sampler.engine_info["smoothing"]
+        assert smoothing["method"] == "SmoothQuant" and smoothing["alpha"] == 0.5 and smoothing["scaled_tensors"] == 10
+        assert sampler.engine_info["quantized_layers"] > 0
+    finally:
+        sampler.close()
+
+
+def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkeypatch):
+    """reload_weights of a compressed-tensors int8 checkpoint gives NaN log-probs on the CPU: the
+    pool must say so at the sync (not feed NaN to the trainer), and its restart sync must work."""
+    tok, cfg, state, episodes = toy_policy()
     spec = vllm_pool("int8", "int8")
     sampler = pool_module.VllmPoolSampler(spec, cfg, tok)
     try:

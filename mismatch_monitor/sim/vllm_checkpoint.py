@@ -11,6 +11,9 @@ through ``reload_weights``. Both carry the pool's format in *checkpoint* form:
   activations quantized per token at run time).
 * ``int4``: compressed-tensors W4A16 (int4 weights packed eight to an int32, one scale per 32
   inputs; bf16 activations).
+* ``int4_dequantized``: the same int4 grid (the same integers and bf16 scales) multiplied out
+  into plain weights for a bf16 engine: what a W4A16 kernel computes (dequantize, then a bf16
+  matmul), for a CPU whose vLLM build has no W4A16 kernel (``vllm_pool`` records that it ran so).
 
 The quantized linear weights are the decoder layers' projections; embeddings, norms, routers
 and the LM head stay in the engine's dtype (the usual choice, as in the torch pools).
@@ -31,6 +34,7 @@ from .tokenizer import BOS, EOS, PAD, CharTokenizer
 ENGINE_FORMAT: dict[str, tuple[str, str | None]] = {
     "fp32": ("float32", None), "fp16": ("float16", None), "bf16": ("bfloat16", None),
     "fp8_e4m3": ("bfloat16", "fp8_per_channel"), "int8": ("bfloat16", None), "int4": ("bfloat16", None),
+    "int4_dequantized": ("bfloat16", None),
 }
 INT4_GROUP = 32
 
@@ -60,25 +64,38 @@ def _int8_channel(w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     yield "weight_scale", scale.to(torch.bfloat16)
 
 
-def _int4_group(w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
+def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 of ``w`` ``[out, in]`` in groups of 32 inputs: the integers ``[out, in]``
+    (int8 in -8..7) and the bf16 scales ``[out, in / 32]`` the checkpoint stores."""
     out_dim, in_dim = w.shape
     if in_dim % INT4_GROUP:
         raise ValueError(f"expected int4 linear inputs divisible by {INT4_GROUP}, got {tuple(w.shape)}")
     grouped = w.reshape(out_dim, in_dim // INT4_GROUP, INT4_GROUP)            # [out, groups, 32]
     scale = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 7.0
     q = torch.round(grouped / scale).clamp(-8, 7).to(torch.int8).reshape(out_dim, in_dim)
+    return q, scale.squeeze(-1).to(torch.bfloat16)
+
+
+def _int4_group(w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    q, scale = int4_grid(w)
     yield "weight_packed", pack_to_int32(q, 4)                                 # [out, in / 8]
-    yield "weight_scale", scale.squeeze(-1).to(torch.bfloat16)                 # [out, groups]
-    yield "weight_shape", torch.tensor([out_dim, in_dim], dtype=torch.int64)
+    yield "weight_scale", scale                                                # [out, groups]
+    yield "weight_shape", torch.tensor(list(w.shape), dtype=torch.int64)
+
+
+def _int4_dequantized(w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    q, scale = int4_grid(w)
+    yield "weight", (q.to(torch.float32).reshape(*scale.shape, INT4_GROUP)
+                     * scale.to(torch.float32).unsqueeze(-1)).reshape(w.shape)
 
 
 def checkpoint_weights(state: Mapping[str, torch.Tensor], precision: str) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of the trainer's fp32 ``state`` in ``precision``'s checkpoint form."""
     if precision not in ENGINE_FORMAT:
         raise ValueError(f"expected a vLLM pool precision in {sorted(ENGINE_FORMAT)}, got {precision!r}")
-    quantise = {"int8": _int8_channel, "int4": _int4_group}.get(precision)
+    quantise = {"int8": _int8_channel, "int4": _int4_group, "int4_dequantized": _int4_dequantized}.get(precision)
     for name, tensor in state.items():
         w = tensor.detach().to(torch.float32)
         if quantise is None or not (is_quantised(name) and name.endswith(".weight") and w.ndim == 2):

@@ -12,6 +12,11 @@ top-p, renormalised over the kept set (what TRL's colocate mode uses). With a Mo
 token also carries the experts the engine's routers chose for the position that produced it
 (``vllm_routing``; the pool then generates one request at a time). vllm is imported only in
 this module, on the first engine.
+
+An int8 pool's checkpoint is smoothed first when ``vllm_smoothquant.ALPHA`` is set (off by
+default; ``engine_info["smoothing"]`` records which). An int4 pool whose engine
+has no W4A16 kernel on this CPU (the probe token fails on the missing op) runs the same int4
+grid dequantized in a bf16 engine, and its ``engine_info`` says so (``INT4_FALLBACK``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .sampler import Rollout
 from .task import Episode
 from .tokenizer import CharTokenizer
 from .vllm_checkpoint import ENGINE_FORMAT, checkpoint_weights, write_model_dir
+from . import vllm_smoothquant
 from .vllm_routing import RouterCapture
 
 KV_CACHE_BYTES = 64 << 20
@@ -41,6 +47,8 @@ BLOCK_SIZE = 32
 # reload_weights of a compressed-tensors W8A8 int8 checkpoint gives NaN log-probs on vLLM 0.32's
 # CPU path (measured; the first load is fine), so an int8 pool syncs by starting a fresh engine
 RESTART_ON_SYNC = frozenset({"int8"})
+# what an int4 pool records when the engine has no W4A16 kernel here and runs the int4 grid in bf16
+INT4_FALLBACK = "int4 weights (W4A16 grid) dequantized to bf16: no W4A16 kernel on this CPU"
 
 
 def _linear_methods(model: torch.nn.Module) -> dict[str, int]:
@@ -94,6 +102,7 @@ class VllmPoolSampler:
         self._routes: RouterCapture | None = None      # a MoE policy's routing, read from the routers
         self._dir: tempfile.TemporaryDirectory[str] | None = None
         self.precision: str | None = None
+        self._form = ""                                # the checkpoint form the engine was given
         self.version = -1
         self.held_state: dict[str, torch.Tensor] = {}
         self.engine_info: dict[str, Any] = {}
@@ -117,7 +126,7 @@ class VllmPoolSampler:
         else:
             t0 = time.perf_counter()
             self._llm.collective_rpc("reload_weights",
-                                     kwargs={"weights_iterator": checkpoint_weights(state, precision)})
+                                     kwargs={"weights_iterator": checkpoint_weights(state, self._form)})
             if reset_prefix_cache:
                 self._llm.reset_prefix_cache()
             if self._routes is not None:
@@ -129,10 +138,47 @@ class VllmPoolSampler:
         self.version = version
 
     def _start(self, state: Mapping[str, torch.Tensor], precision: str) -> None:
+        smoothing: dict[str, Any] | str = "none"
+        if precision == "int8" and vllm_smoothquant.ALPHA is not None:
+            state, smoothing = vllm_smoothquant.smoothquant_state(self._config, state, self._tokenizer,
+                                                                  vllm_smoothquant.ALPHA)
+        self._form, refused = precision, ""
+        try:
+            seconds = self._launch(state, precision)
+        except RuntimeError as exc:
+            # the engine took the W4A16 checkpoint but this CPU build has no kernel to run it
+            if precision != "int4" or "wna16" not in str(exc.__cause__):
+                raise
+            self.close()
+            self._form, refused = "int4_dequantized", str(exc.__cause__)
+            seconds = self._launch(state, precision)
+        engine = self._llm.llm_engine.vllm_config
+        methods = self._llm.apply_model(_linear_methods)[0]
+        quantized = sum(n for name, n in methods.items() if "Linear" in name and not name.startswith("Unquantized"))
+        self.precision = precision
+        self.engine_info = {
+            "engine": "vllm", "version": _vllm().__version__,
+            "dtype": str(engine.model_config.dtype).removeprefix("torch."),
+            "quantization": engine.model_config.quantization or "none", "linear_methods": methods,
+            "quantized_layers": quantized, "kv_cache_dtype": engine.cache_config.cache_dtype,
+            "prefix_caching": bool(engine.cache_config.enable_prefix_caching),
+            "block_size": engine.cache_config.block_size, "logprobs_mode": engine.model_config.logprobs_mode,
+            "load_seconds": round(seconds, 3), "checkpoint": self._form, "smoothing": smoothing,
+            "sync": "engine restart" if precision in RESTART_ON_SYNC else "reload_weights + reset_prefix_cache",
+        }
+        if self._form == "int4_dequantized":
+            self.engine_info["quantization"] = INT4_FALLBACK
+            self.engine_info["engine_refused"] = refused
+        elif precision not in ("fp32", "fp16", "bf16") and quantized == 0:
+            raise RuntimeError(f"pool {self.spec.name}: vLLM quantized no layer for {precision} "
+                               f"(methods {methods}); refusing a pool labelled {precision} that is not")
+
+    def _launch(self, state: Mapping[str, torch.Tensor], precision: str) -> float:
+        """Start the engine on ``state`` in checkpoint form ``self._form``; one probe token."""
         vllm = _vllm()
-        dtype, online = ENGINE_FORMAT[precision]
+        dtype, online = ENGINE_FORMAT[self._form]
         self._dir = tempfile.TemporaryDirectory(prefix=f"vllm-pool-{self.spec.name}-")
-        model_dir = write_model_dir(Path(self._dir.name), self._config, self._tokenizer, state, precision)
+        model_dir = write_model_dir(Path(self._dir.name), self._config, self._tokenizer, state, self._form)
         threads = torch.get_num_threads()
         t0 = time.perf_counter()
         self._llm = vllm.LLM(model=str(model_dir), dtype=dtype, quantization=online,
@@ -144,24 +190,9 @@ class VllmPoolSampler:
         _LIVE.add(id(self._llm))
         moe = getattr(self._config, "model_type", None) == "qwen3_moe"
         self._routes = RouterCapture(self._llm, self._config.num_experts_per_tok) if moe else None
-        self._probe(precision)
         torch.set_num_threads(threads)       # the CPU worker may bind its own thread count
-        engine = self._llm.llm_engine.vllm_config
-        methods = self._llm.apply_model(_linear_methods)[0]
-        quantized = sum(n for name, n in methods.items() if "Linear" in name and not name.startswith("Unquantized"))
-        self.precision = precision
-        self.engine_info = {
-            "engine": "vllm", "version": vllm.__version__, "dtype": str(engine.model_config.dtype).removeprefix("torch."),
-            "quantization": engine.model_config.quantization or "none", "linear_methods": methods,
-            "quantized_layers": quantized, "kv_cache_dtype": engine.cache_config.cache_dtype,
-            "prefix_caching": bool(engine.cache_config.enable_prefix_caching),
-            "block_size": engine.cache_config.block_size, "logprobs_mode": engine.model_config.logprobs_mode,
-            "load_seconds": round(seconds, 3),
-            "sync": "engine restart" if precision in RESTART_ON_SYNC else "reload_weights + reset_prefix_cache",
-        }
-        if precision not in ("fp32", "fp16", "bf16") and quantized == 0:
-            raise RuntimeError(f"pool {self.spec.name}: vLLM quantized no layer for {precision} "
-                               f"(methods {methods}); refusing a pool labelled {precision} that is not")
+        self._probe(precision)
+        return seconds
 
     def _probe(self, precision: str, after: str = "start") -> None:
         """One token through the engine: a format whose CPU kernel this build lacks (int4 W4A16
