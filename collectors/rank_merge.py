@@ -1,17 +1,20 @@
 """The writer rank's merge of the gathered shards (``rank_payload.PackedStats``), table by table.
 
-Per table the W parts' columns are concatenated once and grouped once:
+Per table the W parts' columns are concatenated once and grouped by ``engine.groupby`` (its
+mixed-radix codes, :func:`~mismatch_monitor.engine.groupby.by_codes`), in two steps:
 
 1. the parts' cells (a few hundred to a few thousand each) get one integer code each, a mixed
    radix over their keys: labels by their place in the sorted union of the parts' label
-   dictionaries (null last), the buckets by value (a null turn bucket last), so codes sort as
-   the engine's group-by sorts keys (``engine.stats.aggregate``: nulls are a group, groups in
-   key order);
-2. every row's group is its cell's code times the range of the table's last key plus that key:
-   the code itself when that space is small (the merged columns get a slot per code, and the
-   slots no row reached are dropped: no sort), the sorted unique codes otherwise;
+   dictionaries (null last), the buckets by their place among the distinct buckets (a null
+   turn bucket last), so codes sort as the engine's group-by sorts keys (``engine.stats.aggregate``:
+   nulls are a group, groups in key order); the cells are grouped by these codes;
+2. every row's code is its cell group's offset plus its row key (``bin``, ``bucket``, ...)
+   above that group's lowest, each group spanning its own row keys' range only; the rows are
+   grouped by these codes: a slot per code when that space is small (no sort; the slots no row
+   reached are dropped), the sorted unique codes otherwise;
 3. every value column is merged by its rule with ``engine.groupby.merge_column``, the engine's one
-   definition of the rules.
+   definition of the rules; the key columns are decoded once per cell group (a label column is
+   a run per cell, decoded by arrow, not taken row by row).
 
 The groups, their order and the order of the rows within each group are those of
 ``engine.merge`` on the frames (the parts' rows in part order), so the result is that merge's
@@ -42,7 +45,8 @@ def merge_packed(parts: Sequence[PackedStats]) -> MismatchStats:
     dims: list[str] = []
     for p in parts:
         dims += [d for d in p.dims if d not in dims]
-    tables = {name: merge_table(name, [p.tables[name] for p in parts], dims) for name in TABLES}
+    vocab: dict = {}            # the tables of a shard share their labels: pooled once
+    tables = {name: merge_table(name, [p.tables[name] for p in parts], dims, vocab) for name in TABLES}
     return MismatchStats(tables, tuple(dims), params)
 
 
@@ -50,7 +54,7 @@ class _CellKey:
     """One cell key column over all parts' cells: a code per cell in 0..radix-1, in key order
     (null last), and its decoding."""
 
-    def __init__(self, name: str, kind: str, parts: Sequence[PackedTable]) -> None:
+    def __init__(self, name: str, kind: str, parts: Sequence[PackedTable], vocab: dict) -> None:
         self.name, self.string = name, kind == "string"
         # every part's cells in one array (a part without the column: all null)
         cells = np.concatenate([t.cells[name] if name in t.cells else np.full(n_cells(t), NULL_INT, dtype=np.int8)
@@ -59,12 +63,14 @@ class _CellKey:
         if self.string:
             # each part's local codes into one pooled dictionary of all parts' labels, then the
             # pooled labels coded by their place in the sorted union of them
-            local = [t.labels.get(name, ()) for t in parts]
-            offsets = np.cumsum([0] + [len(u) for u in local])[:-1]
-            pooled = np.array([s for u in local for s in u], dtype=object)
-            self.vocab, codes = np.unique(pooled, return_inverse=True)
+            local = tuple(t.labels.get(name, ()) for t in parts)
+            if (name, local) not in vocab:
+                pooled = np.array([s for u in local for s in u], dtype=object)
+                vocab[name, local] = (np.cumsum([0] + [len(u) for u in local])[:-1],
+                                      *np.unique(pooled, return_inverse=True))
+            offsets, self.vocab, codes = vocab[name, local]
             at = cells + np.repeat(offsets, [n_cells(t) for t in parts])
-            known = codes.reshape(-1)[at[~nulls]] if len(pooled) else np.zeros(0, dtype=np.int64)
+            known = codes.reshape(-1)[at[~nulls]] if len(self.vocab) else np.zeros(0, dtype=np.int64)
             self.radix = len(self.vocab) + 1
         else:
             values = cells if nulls is None else cells[~nulls]
@@ -102,26 +108,37 @@ class _CellKey:
         return repeat(self.distinct[codes])
 
 
-def _row_codes(parts: Sequence[PackedTable], cell_group: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """[rows] each row's code: its cell's group times ``width`` plus its row key minus ``low``
-    (the cells of part i follow those of parts < i, and each part's rows its cells' runs), and
-    ``width`` and ``low``."""
-    row_key = np.concatenate([t.row_key for t in parts])
-    low = int(row_key.min())
-    width = int(row_key.max()) - low + 1
-    runs = [t.run if t.run is not None else np.ones(n_cells(t), dtype=np.int8) for t in parts]
-    code = np.repeat(cell_group * width - low, np.concatenate(runs))
-    code += row_key
-    return code, width, low
+def _row_codes(parts: Sequence[PackedTable], cell_group: np.ndarray, groups: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[rows] each row's code: the offset of its cell's group plus its row key above that
+    group's lowest (the cells of part i follow those of parts < i, and each part's rows its
+    cells' runs); and per cell group that offset ([groups + 1], the last one the codes' space)
+    and lowest row key. Each group spans only its own row keys' range (the parts send each
+    cell's): the codes' space stays near the groups' number, and so do the arrays the rows
+    scatter into (the whole range of row keys per cell made them several times larger)."""
+    ranges = np.concatenate([t.key_range for t in parts], axis=1, dtype=np.int64)
+    low = np.full(groups, np.iinfo(np.int64).max)
+    high = np.full(groups, np.iinfo(np.int64).min)
+    np.minimum.at(low, cell_group, ranges[0])
+    np.maximum.at(high, cell_group, ranges[1])
+    offset = np.zeros(groups + 1, dtype=np.int64)
+    np.cumsum(high - low + 1, out=offset[1:])
+    runs = np.concatenate([t.run if t.run is not None else np.ones(n_cells(t), dtype=np.int8) for t in parts])
+    code = np.repeat((offset[:-1] - low)[cell_group], runs)
+    code += np.concatenate([t.row_key for t in parts])      # narrow: added as they are
+    return code, offset, low
 
 
-def merge_table(table: str, tables: Sequence[PackedTable], dims: Sequence[str]) -> pd.DataFrame:
+def merge_table(table: str, tables: Sequence[PackedTable], dims: Sequence[str], vocab: dict | None = None
+                ) -> pd.DataFrame:
+    """One table of the merge (``vocab``: label dictionaries pooled by earlier tables of it)."""
     parts = [t for t in tables if t.n_rows]
     if not parts:
         return empty_table(table, dims)
     schema = table_schema(table, dims)
     row_key = row_key_name(table)
-    keys = [_CellKey(k, schema[k], parts) for k in key_columns(table, dims) if k != row_key]
+    vocab = {} if vocab is None else vocab
+    keys = [_CellKey(k, schema[k], parts, vocab) for k in key_columns(table, dims) if k != row_key]
     # 1) cells: a mixed-radix code each over their keys, grouped (the one group-by, groupby.py)
     code, space = np.zeros(len(keys[0].codes), dtype=np.int64), 1
     for k in keys:
@@ -133,14 +150,12 @@ def merge_table(table: str, tables: Sequence[PackedTable], dims: Sequence[str]) 
         run_cell, runs = cell_first, None
     else:
         # 2) rows: their cell's group and their row key in one code, grouped
-        code, width, low = _row_codes(parts, cells.rows())
-        groups = by_codes(code, cells.size * width)
-        data = {row_key: groups.codes % width + low}
-        # the groups come cell by cell: each cell's run of them
-        cell = groups.codes // width
-        starts = np.flatnonzero(np.diff(cell)) + 1
-        run_cell = cell_first[cell[np.append(0, starts)]]
-        runs = np.diff(starts, prepend=0, append=len(cell))
+        code, offset, low = _row_codes(parts, cells.rows(), cells.size)
+        groups = by_codes(code, int(offset[-1]))
+        # the groups come cell by cell (every cell has one at least): each cell's run of them
+        runs = np.diff(np.searchsorted(groups.codes, offset))
+        run_cell = cell_first
+        data = {row_key: groups.codes - np.repeat(offset[:-1] - low, runs)}
     # 3) the merged table: key columns decoded from the groups, values merged by their rules
     for k in keys:
         data[k.name] = k.column(k.codes[run_cell], runs)

@@ -38,13 +38,15 @@ class PackedTable(NamedTuple):
     ``labels[k]`` (a tuple of the distinct labels) for string keys, -1 for null; integers
     otherwise, -1 for a null turn bucket); ``run`` [C]: each cell's number of rows, which follow
     one another (None: a row per cell); ``row_key`` [n]: the table's last extra key column per
-    row (None for tables without one); ``values``: value columns."""
+    row (None for tables without one) and ``key_range`` [2, C] its lowest and highest value per
+    cell (the writer sizes each merged cell's codes by them); ``values``: value columns."""
 
     n_rows: int
     labels: dict[str, tuple[str, ...]]
     cells: dict[str, np.ndarray]
     run: np.ndarray | None
     row_key: np.ndarray | None
+    key_range: np.ndarray | None
     values: dict[str, np.ndarray]
 
 
@@ -128,9 +130,15 @@ def pack_table(df: pd.DataFrame, table: str, dims: Sequence[str]) -> PackedTable
         if schema[k] == "string":
             c, labels[k] = _label_codes(c)
         cells[k] = narrow(np.asarray(c, dtype=np.int64))
+    keyed = None if row_key is None else np.asarray(cols[row_key], dtype=np.int64)
+    key_range = None
+    if keyed is not None:
+        first = np.zeros(1, dtype=np.int64) if at is None else at
+        key_range = (keyed, keyed) if at is None else (np.minimum.reduceat(keyed, first), np.maximum.reduceat(keyed, first))
+        key_range = narrow(np.stack(key_range)) if n else np.zeros((2, 0), dtype=np.int8)
     return PackedTable(
         n, labels, cells, None if at is None else narrow(np.diff(at, append=n)),
-        None if row_key is None else narrow(np.asarray(cols[row_key], dtype=np.int64)),
+        None if keyed is None else narrow(keyed), key_range,
         {name: narrow(np.asarray(cols[name])) for name in merge_rules(table)})
 
 
@@ -145,7 +153,7 @@ def payload_bytes(packed: PackedStats) -> int:
     """Bytes of the arrays of a packed shard (the pickle adds a few kB of names and headers)."""
     total = 0
     for t in packed.tables.values():
-        arrays = [*t.cells.values(), *t.values.values(), t.run, t.row_key]
+        arrays = [*t.cells.values(), *t.values.values(), t.run, t.row_key, t.key_range]
         total += sum(a.nbytes for a in arrays if a is not None)
         total += sum(len(str(s)) for u in t.labels.values() for s in u)
     return total

@@ -3,13 +3,17 @@ value column merged by its field's rule (``fields.py``: sum, max, min, logsumexp
 
 Every Python merge goes through here: ``stats.merge`` and ``MismatchStats.marginal`` (ranks,
 steps, slices), the collector's per-step report (``metrics.report_by_label``), the exporter's
-capped (pool, hardware) cells (``export_cells``) and the join of sequence and histogram rows onto
-metric groups (``metrics.derive``). SQL has its own generated merge (``fields.merge_sql``); the
-two are checked against each other by the store and query tests.
+capped (pool, hardware) cells (``export_cells``), the join of sequence and histogram rows onto
+metric groups (``metrics.derive``) and the writer rank's merge of packed shards
+(``collectors/rank_merge.py``, which codes its keys from the shards' label dictionaries and
+groups through :func:`combine` and :func:`by_codes`). SQL has its own generated merge
+(``fields.merge_sql``); the two are checked against each other by the store and query tests.
 
 Keys may be spread over several parts (the token, sequence and histogram tables of one report,
 say): their values are coded in one dictionary, so a label means the same group in each. Nulls
-are a group of their own (as in SQL's GROUP BY); groups come in key order, nulls last.
+are a group of their own (as in SQL's GROUP BY); groups come in key order, nulls last. Rows are
+grouped by mixed-radix codes over the keys' sorted codes: by the codes themselves (a slot per
+code, no sort) when their space is small, else by their sorted unique values.
 """
 
 from __future__ import annotations
