@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from mismatch_monitor.app import data, layout, loaders, state, timeline
+from mismatch_monitor.app import data, layout, loaders, state, tables, timeline
 
 view = state.current()
 
@@ -56,6 +56,7 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
         st.subheader("All events (newest first)")
         shown = [c for c in ("step", "alert", "severity", "pool", "state", "value", "threshold", "resync",
                              "summary") if c in ev.columns]
-        st.dataframe(ev.sort_values("step", ascending=False)[shown], hide_index=True, width="stretch")
+        st.dataframe(tables.styled(ev.sort_values("step", ascending=False)[shown], empty={"pool": "(fleet)"}),
+                     hide_index=True, width="stretch")
 
     layout.live(body, view)

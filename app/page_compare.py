@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from mismatch_monitor.app import comparison, data, layout, loaders, state
+from mismatch_monitor.app import comparison, data, layout, loaders, state, tables
 from mismatch_monitor.app.runs import resolve_run
 from mismatch_monitor.batch import STANDARD_DIMENSIONS
 
@@ -57,9 +57,12 @@ if layout.page_header("Compare runs", view, "Run A (the sidebar's run) against r
                                  metric=table["metric"].map(layout.metric_label),
                                  flagged=flagged.map({True: "⚠", False: ""}))
             st.subheader(f"Per slice ({int(flagged.sum())} difference(s) flagged)")
-            styled = shown[["slice", "metric", "a", "b", "diff", "rel", "flagged"]].style.apply(
+            absent = {"a": f"not in {view.run_name}", "b": f"not in {other}", "diff": "one run only",
+                      "rel": "one run only"}
+            styled = tables.styled(shown[["slice", "metric", "a", "b", "diff", "rel", "flagged"]], empty=absent,
+                                   titles={"a": names[0], "b": names[1], "diff": "B − A", "rel": "B / A − 1"},
+                                   formats={"rel": tables.percent}).apply(
                 lambda row: ["background-color: #ffe0e0" if row["flagged"] else "" for _ in row], axis=1)
-            st.dataframe(styled, hide_index=True, width="stretch",
-                         column_config={"rel": st.column_config.NumberColumn("B / A − 1", format="percent")})
+            st.dataframe(styled, hide_index=True, width="stretch")
 
         layout.live(body, view)

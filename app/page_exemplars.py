@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mismatch_monitor.app import data, layout, state, token_spans
+from mismatch_monitor.app import data, layout, state, tables, token_spans
 
 view = state.current()
 
@@ -82,8 +82,8 @@ if layout.page_header("Exemplars", view, "Aggregates say that the tail moved; ex
                 st.subheader(f"Tokens of a sequence at step {int(step)}, coloured by |log ρ|")
                 _token_view(d["tokens"], int(step))
             st.subheader(f"Worst tokens of step {int(step)} (by |log ρ|)")
-            st.dataframe(_ordered(d["tokens"], TOKEN_FIRST), hide_index=True, width="stretch")
+            st.dataframe(tables.styled(_ordered(d["tokens"], TOKEN_FIRST)), hide_index=True, width="stretch")
             st.subheader(f"Worst sequences of step {int(step)} (by max |log ρ|)")
-            st.dataframe(_ordered(d["sequences"], SEQUENCE_FIRST), hide_index=True, width="stretch")
+            st.dataframe(tables.styled(_ordered(d["sequences"], SEQUENCE_FIRST)), hide_index=True, width="stretch")
 
         layout.live(body, view)

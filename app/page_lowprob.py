@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from mismatch_monitor.app import data, figures, heatmaps, layout, loaders, state
+from mismatch_monitor.app import data, figures, heatmaps, layout, loaders, state, tables
 
 view = state.current()
 
@@ -35,7 +35,8 @@ if layout.page_header("Low-probability buckets", view, "Mean |log ρ| and k3 per
                          key=f"lowprob_{value}_lines", events=layout.marks(view, span))
         st.subheader("Tokens per bucket (steps shown)")
         totals = d["totals"].assign(bucket=d["totals"]["bucket"].map(names))
-        st.dataframe(totals[["bucket", "n_tokens", "share", "mean_abs_lr", "k3_kl"]], hide_index=True,
-                     width="stretch", column_config={"share": st.column_config.NumberColumn(format="percent")})
+        st.dataframe(tables.styled(totals[["bucket", "n_tokens", "share", "mean_abs_lr", "k3_kl"]],
+                                   empty={"share": "no tokens", "mean_abs_lr": "no tokens", "k3_kl": "no tokens"},
+                                   titles={"share": "share of tokens"}), hide_index=True, width="stretch")
 
     layout.live(body, view)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from mismatch_monitor.app import data, figures, layout, loaders, state, timeline
+from mismatch_monitor.app import data, figures, layout, loaders, state, tables, timeline
 from mismatch_monitor.app.state import STATUS_MARK
 
 view = state.current()
@@ -56,7 +56,7 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         else:
             st.error(f"{int(errors['count'].sum())} collector error(s), {len(errors)} distinct, latest "
                      "first: each message says what it did to its step", icon=":material/error:")
-            st.dataframe(errors[["count", "last_step", "where", "kind", "message"]], hide_index=True,
+            st.dataframe(tables.styled(errors[["count", "last_step", "where", "kind", "message"]]), hide_index=True,
                          width="stretch")
         fleet = d["latest_fleet"]
         if not len(fleet):

@@ -24,6 +24,7 @@ from reference import reference_metrics, token_frame
 from test_app_runs import DashboardRoot, dashboard_root
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
+PAGE = {p.url_path: p for p in PAGES}
 SAMPLE_RUNS = sorted(list_runs(SAMPLE_DATA)) if SAMPLE_DATA.is_dir() else []
 EMPTY_KINDS = ("empty", "no-observation", "half-written", "half-written-tail")
 CONFIG = MetricConfig()
@@ -188,16 +189,16 @@ def test_alerts_page_counts_every_event_and_resync(monkeypatch, runs: DashboardR
 
 def test_exemplars_page_ranks_the_worst_token_of_the_step_first(monkeypatch, runs: DashboardRoot) -> None:
     step = 12
-    at = open_page(monkeypatch, runs.root, PAGES[9], "fleet", ex_step=str(step))
+    at = open_page(monkeypatch, runs.root, PAGE["exemplars"], "fleet", ex_step=str(step))
     frame, _ = token_frame(runs.fleet.cases[step], CONFIG)
     tokens = at.dataframe[0].value
-    assert tokens["abs_log_ratio"].iloc[0] == pytest.approx(np.nanmax(np.abs(frame["lr"])), rel=1e-12)
-    assert list(tokens["abs_log_ratio"]) == sorted(tokens["abs_log_ratio"], reverse=True)
+    assert tokens["abs log ratio"].iloc[0] == pytest.approx(np.nanmax(np.abs(frame["lr"])), rel=1e-12)
+    assert list(tokens["abs log ratio"]) == sorted(tokens["abs log ratio"], reverse=True)
 
 
 def test_compare_page_flags_the_pool_the_upgrade_changed(monkeypatch, runs: DashboardRoot) -> None:
-    at = open_page(monkeypatch, runs.root, PAGES[8], "fleet", cmp_run="fleet-upgrade", cmp_rel="0.5")
-    table = at.dataframe[0].value
+    at = open_page(monkeypatch, runs.root, PAGE["compare"], "fleet", cmp_run="fleet-upgrade", cmp_rel="0.5")
+    table = at.dataframe[0].value.rename(columns={"A: fleet": "a", "B: fleet-upgrade": "b", "B / A − 1": "rel"})
     p99 = table[(table["slice"] == "pool=fp8") & (table["metric"] == "p99 |lr|")].iloc[0]
     assert p99["flagged"] == "⚠" and p99["b"] < p99["a"]    # the grown fp8 tail is gone after the upgrade
     assert set(table.loc[table["flagged"] == "", "rel"].abs().dropna()) <= set(
