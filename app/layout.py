@@ -40,20 +40,6 @@ readable = formatting.readable
 column_name = formatting.column_name
 
 
-def share_columns(columns: Any) -> dict[str, Any]:
-    """Column formats of a table renamed by :func:`column_name`: shares in percent, counts as
-    whole numbers, ratios to two decimals (the numbers stay numbers: the table sorts them)."""
-    out: dict[str, Any] = {}
-    for col in columns:
-        if col.endswith("_share"):
-            out[column_name(col)] = st.column_config.NumberColumn(format="percent")
-        elif col.startswith("n_"):
-            out[column_name(col)] = st.column_config.NumberColumn(format="%d")
-        elif col == "tail_to_sample":
-            out[column_name(col)] = st.column_config.NumberColumn(format="%.2f×")
-    return out
-
-
 def trend(frame: pd.DataFrame, metric: str) -> float:
     """Change of ``metric`` across ``frame``'s steps by a least-squares line (null under 3 points)."""
     if not len(frame):
@@ -177,10 +163,11 @@ def marks(view: View, span: Span, run_dir: Path | None = None, opacity: float = 
 
 
 def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = None,
-          x: XAxis | None = None) -> None:
+          x: XAxis | None = None, clicks: bool = False) -> list[dict[str, Any]]:
     """Draw ``fig``; with ``events`` (:func:`marks`, one per run drawn), the alert and resync lines
     over it. A time-series chart (``x`` given, or ``events``) keeps its zoom in the URL
-    (``zoom.keep``)."""
+    (``zoom.keep``). With ``clicks``, a clicked point reruns the page, which gets the points
+    (dicts with ``x``, ``y``, ``legendgroup``; none otherwise); a drag still zooms."""
     for m in [events] if isinstance(events, Marks) else (events or []):
         timeline.annotate(fig, m.events, x=m.x, first=m.span.origin, width=m.span.width, opacity=m.opacity,
                           run_events=m.run_events)
@@ -188,7 +175,13 @@ def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = Non
     if x is not None:
         zoom.keep(fig, key, x)
     # theme=None: the figure's own colour scales (Streamlit's theme would recolour heatmaps)
-    st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False})
+    if not clicks:
+        st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False})
+        return []
+    fig.update_layout(hovermode="closest")   # a click picks one line's point, not every line at that x
+    event = st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False},
+                            on_select="rerun", selection_mode="points")
+    return list(event.selection.points) if event is not None else []
 
 
 def scale_control(key: str) -> YScale:

@@ -5,10 +5,18 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from mismatch_monitor.app import data, exemplar_links, figures, layout, loaders, state
+from mismatch_monitor.app import data, exemplar_links, figures, layout, loaders, state, tables
 from mismatch_monitor.metrics import METRIC_BY_KEY
 
 view = state.current()
+
+
+def open_exemplars(step: int, pool: str | None) -> None:
+    """The Exemplars page on ``step`` and ``pool`` (its own choices of step, pool and sequence
+    forgotten, so that the link's are taken)."""
+    for key in ("ex_step", "ex_pool", "ex_seq"):
+        st.session_state.pop(key, None)
+    st.switch_page("page_exemplars.py", query_params=exemplar_links.params(view.run_name, step, pool))
 
 if layout.page_header("Pools", view, "Each sampler pool against the others: its metrics over steps, and "
                       "its share of the samples against its share of the extreme-ratio tokens."):
@@ -35,8 +43,7 @@ if layout.page_header("Pools", view, "Each sampler pool against the others: its 
                            f"({r['tail_to_sample']:.1f}× its share).", icon=":material/warning:")
             layout.chart(figures.share_bars(shares), key="pools_shares")
             table = shares.merge(meta, left_on="pool", right_index=True, how="left") if len(meta) else shares
-            st.dataframe(table.rename(columns=layout.column_name), hide_index=True, width="stretch",
-                         column_config=layout.share_columns(table.columns))
+            st.dataframe(tables.pool_shares(table), hide_index=True, width="stretch")
         st.subheader("Pool metadata (run.json)")
         if len(meta):
             st.dataframe(meta, width="stretch")
@@ -50,9 +57,14 @@ if layout.page_header("Pools", view, "Each sampler pool against the others: its 
         else:
             titles = {k: layout.metric_label(k) for k in metrics}
             scale = layout.scale_control("pools_series")
-            layout.chart(figures.small_multiples(d["series"], list(metrics), titles, group="pool", x=view.x,
-                                                 smoothing=view.smoothing, width=span.width, y_scale=scale),
-                         key="pools_series", events=layout.marks(view, span))
+            fig = figures.small_multiples(d["series"], list(metrics), titles, group="pool", x=view.x,
+                                          smoothing=view.smoothing, width=span.width, y_scale=scale)
+            points = layout.chart(exemplar_links.clickable(fig, d["series"]), key="pools_series",
+                                  events=layout.marks(view, span), clicks=True)
+            st.caption("Click a point to open the exemplars of its step and pool.")
+            target = exemplar_links.clicked(points, d["series"], view.x)
+            if target is not None:
+                open_exemplars(*target)
         ex = data.load("exemplars", view.run_dir, **view.params)["exemplar_steps"]
         if len(ex):
             st.markdown("Exemplars of the steps with the largest |log ρ|: "

@@ -174,9 +174,17 @@ def test_distinct_values_and_exemplar_steps(con, runs: DashboardRoot) -> None:
     with pytest.raises(ValueError, match="cannot group"):
         query.distinct_values(con, runs.fleet.path, "sequences", "n_sequences")
     steps = query.exemplar_steps(con, runs.fleet.path).set_index("step")
+    fp8 = query.exemplar_steps(con, runs.fleet.path, pool="fp8").set_index("step")
     for s, case in runs.fleet.cases.items():
         frame, _ = token_frame(case, CONFIG)
-        assert steps.loc[s, "max_abs_log_ratio"] == pytest.approx(np.nanmax(np.abs(frame["lr"])), rel=1e-12)
+        lr = np.abs(frame["lr"].to_numpy(np.float64))
+        assert steps.loc[s, "max_abs_log_ratio"] == pytest.approx(np.nanmax(lr), rel=1e-12)
+        assert steps.loc[s, "pool"] == frame["pool"].iloc[int(np.nanargmax(lr))]     # the worst token's pool
+        in_fp8 = np.where(frame["pool"].to_numpy(object) == "fp8", lr, np.nan)
+        assert fp8.loc[s, "max_abs_log_ratio"] == pytest.approx(np.nanmax(in_fp8), rel=1e-12)
+        assert fp8.loc[s, "pool"] == "fp8"
+    # the pool is a bound value: a quote in it is a pool no token has, not SQL
+    assert query.exemplar_steps(con, runs.fleet.path, pool="fp8' OR '1'='1").empty
 
 
 def test_half_written_runs_show_only_committed_steps(con, runs: DashboardRoot) -> None:

@@ -58,6 +58,10 @@ def test_link_opens_coloured_tokens_of_step_and_pool(server: str, root: Path) ->
         b.close()
     assert errors == 0
     assert f"Tokens of a sequence at step {step}" in text
+    files = str(root / RUN.name / "exemplar_tokens" / "*.parquet")
+    (worst,) = duckdb.sql(f"select arg_max(pool, abs_log_ratio) from read_parquet('{files}') where step = {step}"
+                          ).fetchall()[0]
+    assert pool == worst                         # the link opens the pool of the step's worst token
     values = [round(v, 9) for v, _, _ in spans]
     assert values and set(values) <= stored                       # only that step's and pool's tokens
     assert max(values) == max(stored)                             # its worst sequence is the one shown
@@ -65,7 +69,7 @@ def test_link_opens_coloured_tokens_of_step_and_pool(server: str, root: Path) ->
     assert all("|log ρ| = " in t for _, _, t in spans)
 
 
-def test_pools_page_links_a_worst_step_to_its_exemplars(server: str) -> None:
+def test_pools_page_links_a_worst_step_to_its_exemplars(server: str, root: Path) -> None:
     with sync_api.sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
         page = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
@@ -75,9 +79,53 @@ def test_pools_page_links_a_worst_step_to_its_exemplars(server: str) -> None:
         link.wait_for(timeout=60_000)
         href = link.get_attribute("href")
         step = int(href.split("step=")[1].split("&")[0])
+        pool = href.split("pool=")[1].split("&")[0]
         page.goto(f"{server}/{href.lstrip('/')}")
         wait_drawn(page)
         page.locator(".mm-token").first.wait_for(timeout=60_000)
         text = page.locator('[data-testid="stApp"]').inner_text()
         b.close()
     assert f"Tokens of a sequence at step {step}" in text
+    files = str(root / RUN.name / "exemplar_tokens" / "*.parquet")
+    (worst,) = duckdb.sql(f"select arg_max(pool, abs_log_ratio) from read_parquet('{files}') where step = {step}"
+                          ).fetchall()[0]
+    assert pool == worst                         # the link opens the pool of the step's worst token
+
+
+# the page position of point ``i`` of the first subplot's raw trace of ``pool`` (plotly's own axes)
+POINT = """([el, pool, i]) => {
+  const t = el._fullData.find(t => t.legendgroup === pool && t.xaxis === 'x');
+  const xa = el._fullLayout.xaxis, ya = el._fullLayout.yaxis, r = el.getBoundingClientRect();
+  const x = Array.from(t.x)[i], y = Array.from(t.y)[i];
+  return {step: x, x: r.left + xa._offset + xa.c2p(x), y: r.top + ya._offset + ya.c2p(y)};
+}"""
+
+
+def test_clicking_a_point_of_the_pools_series_opens_its_step_and_pool(server: str, root: Path) -> None:
+    pool, i = "fp8", 42
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
+        page = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+        page.goto(f"{server}/pools?run={RUN.name}&refresh=off")
+        wait_drawn(page)
+        plot = page.locator(".st-key-pools_series .js-plotly-plot").first
+        plot.scroll_into_view_if_needed()
+        page.wait_for_timeout(500)
+        at = plot.evaluate(f"el => ({POINT})([el, {pool!r}, {i}])")
+        page.mouse.move(at["x"], at["y"])
+        page.wait_for_timeout(300)
+        page.mouse.click(at["x"], at["y"])
+        page.wait_for_function("() => location.pathname.endsWith('/exemplars')", timeout=60_000)
+        wait_drawn(page)
+        page.locator(".mm-token").first.wait_for(timeout=60_000)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "exemplars_from_click.png"), full_page=True)
+        url = page.url
+        spans = page.locator(".mm-token").evaluate_all("els => els.map(e => Number(e.dataset.absLr))")
+        b.close()
+    step = int(at["step"])
+    assert f"step={step}" in url and f"pool={pool}" in url
+    files = str(root / RUN.name / "exemplar_tokens" / "*.parquet")
+    stored = {round(v, 9) for (v,) in duckdb.sql(
+        f"select abs_log_ratio from read_parquet('{files}') where step = {step} and pool = '{pool}'").fetchall()}
+    assert stored and spans and {round(v, 9) for v in spans} <= stored   # that step's and pool's tokens

@@ -93,15 +93,21 @@ def metric_totals(con: duckdb.DuckDBPyConnection, run_dir: RunDir, by: Sequence[
     return out.drop(columns=["step", "step_last", "wall_time"]).reset_index(drop=True)
 
 
-def exemplar_steps(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame:
-    """Visible steps that hold token exemplars, with their largest |lr| (step, max_abs_log_ratio)."""
+def exemplar_steps(con: duckdb.DuckDBPyConnection, run_dir: RunDir, *, pool: str | None = None) -> pd.DataFrame:
+    """Visible steps that hold token exemplars: step, max_abs_log_ratio (the step's largest stored
+    |lr|) and pool (the pool of that token; null for a token without one). With ``pool``, only
+    that pool's tokens count (a bound value)."""
     files = table_files(run_dir, "exemplar_tokens")
     if not files or not table_files(run_dir, STEPS_TABLE):
-        return pd.DataFrame({"step": pd.Series([], dtype="int64"), "max_abs_log_ratio": pd.Series([], dtype="float64")})
-    sql = (f"WITH {_index_cte()} SELECT t.step, max(t.abs_log_ratio) AS max_abs_log_ratio "
-           "FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) "
+        return pd.DataFrame({"step": pd.Series([], dtype="int64"), "max_abs_log_ratio": pd.Series([], dtype="float64"),
+                             "pool": pd.Series([], dtype="object")})
+    where = "" if pool is None else "WHERE t.pool = $pool "
+    sql = (f"WITH {_index_cte()} SELECT t.step, max(t.abs_log_ratio) AS max_abs_log_ratio, "
+           "arg_max(t.pool, t.abs_log_ratio) AS pool "
+           f"FROM read_parquet($files, union_by_name=true) t JOIN idx USING (step, file_id) {where}"
            "GROUP BY t.step ORDER BY t.step")
-    return _retry(lambda: con.execute(sql, current_files(run_dir, "exemplar_tokens")).df())
+    params = {} if pool is None else {"pool": str(pool)}
+    return _retry(lambda: con.execute(sql, {**current_files(run_dir, "exemplar_tokens"), **params}).df())
 
 
 def compare_runs(con: duckdb.DuckDBPyConnection, run_a: RunDir, run_b: RunDir, by: Sequence[str] = (), *,
