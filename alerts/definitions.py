@@ -11,7 +11,7 @@ step duration the rules were rendered for (``--step-seconds``).
 from __future__ import annotations
 
 from .conditions import Compare
-from .outliers import OutlierAmongPools
+from .fleet_rise import RiseAgainstFleet
 from .counts import CountRise
 from .tails import TailRise
 from .jumps import StepJump
@@ -141,16 +141,18 @@ STALENESS_HIGH = AlertRule(
 
 POOL_OUTLIER = AlertRule(
     name="MismatchPoolOutlier",
-    condition=OutlierAmongPools("mismatch/k3_kl", factor=4.0, min_pools=3, floor=1e-4, window_steps=50,
-                                min_points=10),
+    # z 4 on three steps in a row: a pool's own heavy-tailed steps (INT4, ~80 tokens) pass
+    condition=RiseAgainstFleet("mismatch/k3_kl", TOKENS, factor=4.0, z=4.0, min_pools=3, floor=1e-4,
+                               window_steps=50, min_points=10),
     for_steps=2,
     severity="warning",
     fix="cap_per_pool",
-    summary="Pool {pool} has {value}x the fleet's median k3 KL",
-    description=("The k3 KL of pool {pool} is {value} times the median over all pools, and {threshold} "
-                 "times (or more) what it was over its own previous {window} steps (above {floor}) for {held} "
-                 "steps, with at least {min_pools} pools reporting: a pool that is worse by design is compared "
-                 "with itself, not re-alerted every step."),
+    summary="k3 KL of pool {pool} rose {value}x more than the fleet's",
+    description=("The k3 KL of pool {pool} is {value} times its token-weighted mean over the {window} steps before "
+                 "the last two, times the median of that rise over pools (threshold {threshold}x, above {floor}, at "
+                 "least {min_pools} pools), {z} standard errors or more above it (the scatter of those steps), for "
+                 "{held} steps: a pool that is worse by design stays at its own level and is not re-alerted; one "
+                 "that moved away from the fleet is."),
     runbook=("One pool's numerics differ from the fleet (precision, engine or hardware): cap per pool "
              "(its own TIS cap or band), discard its long rollouts, or match its precision flow "
              "(fake-quantize the trainer to its format). Compare its row with the fleet on the "

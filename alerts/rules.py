@@ -25,9 +25,10 @@ from .tails import TailRise
 from .jumps import StepJump
 from .drift import PooledDrift
 from .pooled import MeanRise
+from .fleet_rise import RiseAgainstFleet
 
 Condition = (Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools | CountRise | TailRise | MeanRise
-             | PooledDrift | StepJump)
+             | PooledDrift | StepJump | RiseAgainstFleet)
 
 Severity = Literal["info", "warning", "critical"]
 Fix = Literal["resync", "cap_per_pool", "discard_long_rollouts", "routing_replay", "fp32_head",
@@ -77,7 +78,7 @@ class AlertRule:
             raise ValueError(f"expected fix in {FIXES}, got {self.fix!r}")
         if self.scope not in ("pool", "fleet"):
             raise ValueError(f"expected scope 'pool' or 'fleet', got {self.scope!r}")
-        if isinstance(self.condition, OutlierAmongPools) and self.scope != "pool":
+        if isinstance(self.condition, (OutlierAmongPools, RiseAgainstFleet)) and self.scope != "pool":
             raise ValueError(f"expected scope 'pool' for {self.name} (an outlier among pools), got {self.scope!r}")
         if not (isinstance(self.for_steps, int) and self.for_steps >= 0):
             raise ValueError(f"expected integer for_steps >= 0, got {self.for_steps!r}")

@@ -82,8 +82,8 @@ def test_small_pools_are_reported_as_not_enough_tokens():
 def test_a_pool_worse_by_design_all_run_fires_at_most_once():
     rng = np.random.default_rng(4)
     level = {"bf16": 2e-4, "fp8": 3e-4, "tpu": 2.5e-4, "int4": 5 * 2.5e-4}    # int4: 5x the median, all run
-    rows = [{"step": s, "pool": p, "mismatch/k3_kl": v * rng.lognormal(0, 0.1)} for s in range(300)
-            for p, v in level.items()]
+    rows = [{"step": s, "pool": p, "mismatch/k3_kl": v * rng.lognormal(0, 0.1), "mismatch/n_tokens": 200.0}
+            for s in range(300) for p, v in level.items()]
     history = pd.DataFrame(rows)
     _, events = AlertEvaluator.replay(history, rules=(POOL_OUTLIER,))
     assert sum(e.state == "firing" and e.pool == "int4" for e in events) <= 1
