@@ -6,11 +6,11 @@ W ranks (torch.multiprocessing, gloo on 127.0.0.1, one torch thread each), each 
 benchmark's slicing (6 pools x 4 hardware x 8 length x 8 turn buckets). Per step each rank
 computes the statistics of its own share (``compute_stats`` + tail exemplars), then the
 :class:`DistributedReducer` packs them, gathers them and merges them on rank 0 (``reduce``) or
-everywhere (``all-ranks``). Split out: ``pack`` (a rank's only work besides the collective), the
-collective alone (``gather_object`` of the packed shard) and the merge alone (``merge_parts`` on
-rank 0); ``others`` is the slowest other rank's ``reduce`` (its critical path). Times are medians
-over ``--steps`` steps, taken after a barrier, printed as ratios to ``compute_stats`` measured in
-the same run on the same batch. The merge at W up to 64 is ``bench_merge.py``.
+everywhere (``all-ranks``). Split out: ``pack`` (statistics and exemplars: a rank's only work
+besides the collective), the collective alone (``gather_object`` of the packed shard) and the
+merge alone (``merge_parts`` on rank 0); ``others`` is the slowest other rank's ``reduce`` (its
+critical path). Times are medians over ``--steps`` steps, taken after a barrier, printed as
+ratios to ``compute_stats`` measured in the same run on the same batch. The merge at W up to 64 is ``bench_merge.py``.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], steps: int) -> No
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from bench_engine import CONFIG
 
-    from mismatch_monitor.collectors.distributed import DistributedReducer, Shard
-    from mismatch_monitor.collectors.rank_payload import pack
+    from mismatch_monitor.collectors.distributed import DistributedReducer, shard
     from mismatch_monitor.engine import compute_stats
     from mismatch_monitor.exemplars import tail_exemplars
 
@@ -75,8 +74,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], steps: int) -> No
         engine, stats = timed(lambda: compute_stats(batch, CONFIG), steps)
         tails = tail_exemplars(batch, 16, CONFIG)
         ex = tails.frames() if hasattr(tails, "frames") else tails
-        p_time, packed = timed(lambda: pack(stats), steps)
-        payload = Shard(None, packed, tuple(stats.dims), ex, rank, None, stats.params)
+        p_time, payload = timed(lambda: shard(stats, ex, rank), steps)     # statistics and exemplars packed
         parts = [None] * world if rank == 0 else None
         c_time, _ = timed(lambda: dist.gather_object(payload, parts, dst=0), steps)
         m_time = statistics.median(_merge_time(parts) for _ in range(steps)) if rank == 0 else 0.0

@@ -4,11 +4,12 @@
 
 Each simulated rank holds ``--tokens`` tokens with the engine benchmark's slicing (6 pools x 4
 hardware x 8 length x 8 turn buckets, log-uniform lengths, heavy-tailed lr; its own seed), and
-sends what ``DistributedReducer`` sends: its statistics packed (``collectors/rank_payload.py``)
-and its tail exemplars. Per rank, medians over ``--repeat``:
+sends what ``DistributedReducer`` sends: its statistics and tail exemplars packed
+(``collectors.distributed.shard``: ``rank_payload.py``, ``rank_exemplars.py``). Per rank, medians
+over ``--repeat``:
 
 - ``engine``: ``compute_stats`` on one rank's batch (the baseline of every ratio);
-- ``pack``: packing its statistics (the rank's only work besides the collective);
+- ``pack``: packing its statistics and exemplars (the rank's only work besides the collective);
 - ``pickle frames``: pickling the statistics' frames, which the shard used to carry instead;
 - bytes of both payloads (the pickled shard, exemplars included, as ``gather_object`` sends it).
 
@@ -32,7 +33,6 @@ from bench_engine import CONFIG, make_data  # noqa: E402
 from timing import durations  # noqa: E402
 
 from mismatch_monitor.collectors.distributed import merge_parts, shard  # noqa: E402
-from mismatch_monitor.collectors.rank_payload import pack  # noqa: E402
 from mismatch_monitor.engine import compute_stats, merge  # noqa: E402
 from mismatch_monitor.exemplars import merge_exemplars, tail_exemplars  # noqa: E402
 
@@ -59,9 +59,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     ranks = [rank_shard(args.tokens, r) for r in range(max(args.worlds))]
-    batch, stats, _, _ = ranks[0]
+    batch, stats, _, exemplars = ranks[0]
     engine = median(lambda: compute_stats(batch, CONFIG), args.repeat)
-    packing = median(lambda: pack(stats), args.repeat)
+    packing = median(lambda: shard(stats, exemplars, 0), args.repeat)
     frames_pickling = median(lambda: pickle.dumps(stats.tables), args.repeat)
     sizes = [len(pickle.dumps(s)) for _, _, s, _ in ranks]
     old_sizes = [len(pickle.dumps(s._replace(tables=st.tables, exemplars=ex))) for _, st, s, ex in ranks]

@@ -103,7 +103,8 @@ class _CellKey:
             return pd.arrays.ArrowStringArray(labels)
         if self.name == TURN_KEY:
             null = codes == len(self.distinct)
-            values = self.distinct[np.where(null, 0, codes)] if len(self.distinct) else np.zeros(len(codes), dtype=np.int64)
+            values = (self.distinct[np.where(null, 0, codes)] if len(self.distinct)
+                      else np.zeros(len(codes), dtype=np.int64))
             return pd.arrays.IntegerArray(repeat(values), repeat(null))
         return repeat(self.distinct[codes])
 

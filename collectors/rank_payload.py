@@ -66,7 +66,7 @@ def row_key_name(table: str) -> str | None:
 
 def narrow(values: np.ndarray) -> np.ndarray:
     """An integer array in the narrowest signed type holding its range (others unchanged)."""
-    if values.dtype.kind not in "iu" or len(values) == 0:
+    if values.dtype.kind not in "iu" or values.size == 0:
         return values
     lo, hi = int(values.min()), int(values.max())
     for dtype in (np.int8, np.int16, np.int32):
@@ -133,9 +133,8 @@ def pack_table(df: pd.DataFrame, table: str, dims: Sequence[str]) -> PackedTable
     keyed = None if row_key is None else np.asarray(cols[row_key], dtype=np.int64)
     key_range = None
     if keyed is not None:
-        first = np.zeros(1, dtype=np.int64) if at is None else at
-        key_range = (keyed, keyed) if at is None else (np.minimum.reduceat(keyed, first), np.maximum.reduceat(keyed, first))
-        key_range = narrow(np.stack(key_range)) if n else np.zeros((2, 0), dtype=np.int8)
+        ends = (keyed, keyed) if at is None else (np.minimum.reduceat(keyed, at), np.maximum.reduceat(keyed, at))
+        key_range = narrow(np.stack(ends))
     return PackedTable(
         n, labels, cells, None if at is None else narrow(np.diff(at, append=n)),
         None if keyed is None else narrow(keyed), key_range,
