@@ -28,8 +28,8 @@ from .policy import build_model
 from .tokenizer import CharTokenizer
 
 # the migration strength a pool's int8 checkpoint is smoothed with; None: not smoothed (the
-# default: measured on the toy policy, whose activations have no outlier channels, smoothing
-# raised the int8 pool's k3 from 1.8e-3 to 2.6e-3; docs/SIMULATOR.md has the measurement)
+# default: the toy policy's activations have no outlier channels, and smoothing raised the int8
+# pool's k3 on one measurement and lowered it on another; docs/SIMULATOR.md has both)
 ALPHA: float | None = None
 DEFAULT_ALPHA = 0.5
 CALIBRATION_SEQUENCES = 8
