@@ -21,6 +21,12 @@ TABLE_BEGIN = "<!-- BEGIN ALERT TABLE: rendered by `mismatch-monitor alerts rend
 TABLE_END = "<!-- END ALERT TABLE -->"
 
 
+# the scenario pools' metadata: their summaries say "x times its expected healthy level" where
+# expected_levels.csv has a row (tpu has none: nothing is said)
+SCENARIO_POOLS = {"bf16": {"precision": "bf16", "engine": "vllm"}, "fp8": {"precision": "fp8_e4m3", "engine": "vllm"},
+                  "int4": {"precision": "int4", "engine": "transformers/sdpa"}, "tpu": {"precision": "bf16", "engine": "jax"}}
+
+
 def render_test_file() -> str:
     series, promql = counter_tests(DEFAULT_STEP_SECONDS)
     header = ("promtool unit tests for mismatch_rules.yml: every alert fires and clears on the scenario\n"
@@ -29,7 +35,8 @@ def render_test_file() -> str:
               "mismatch_rules_test.yml")
     return render_unit_tests(scenario_history(DEFAULT_STEP_SECONDS), rules=DEFAULT_RULES,
                              step_seconds=DEFAULT_STEP_SECONDS, rule_file=RULES_FILE.name,
-                             eval_steps="changes", promql_tests=promql, extra_series=series, header=header)
+                             eval_steps="changes", promql_tests=promql, extra_series=series, header=header,
+                             pools=SCENARIO_POOLS)
 
 
 def docs_with_table(text: str) -> str:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from mismatch_monitor.expected_levels import expected_for_pool, times_expected
+from mismatch_monitor.expected_levels import LEVEL_METRICS, expected_for_pool, times_expected
+from mismatch_monitor.expected_series import EXPECTED_LEVEL, level_label
+from mismatch_monitor.metrics import prometheus_name
 
 from .rules import AlertRule, format_g3
 
@@ -27,3 +29,23 @@ def expected_note(rule: AlertRule, pool: str | None, pools: Mapping[str, Mapping
             return (f" ({key.removeprefix('mismatch/')} {format_g3(times)}x its expected healthy level for "
                     f"{level.precision} on {level.engine})")
     return ""
+
+
+def note_template(rule: AlertRule) -> str:
+    """:func:`expected_note` as a Prometheus annotation template: the pool's metric divided by its
+    ``mismatch_expected_level`` series (``expected_series.py``, exported given the pools'
+    metadata), for the first metric the rule reads that has one; nothing without it. The
+    division is the evaluator's (value / level), so both print the same ``%.3g``."""
+    if rule.scope != "pool":
+        return ""
+    keys = [k for k in rule.condition.metrics if k in LEVEL_METRICS]
+    text = ""
+    for key in reversed(keys):
+        query = (f'{prometheus_name(key)}{{pool=%q}} / on(pool) group_left(precision, engine) '
+                 f'{EXPECTED_LEVEL}{{pool=%q,metric="{level_label(key)}"}}')
+        found = (f" ({level_label(key)} {{{{ printf \"%.3g\" .Value }}}}x its expected healthy level for "
+                 f"{{{{ .Labels.precision }}}} on {{{{ .Labels.engine }}}})")
+        rest = f"{{{{ else }}}}{text}" if text else ""
+        text = (f"{{{{ with printf `{query}` $labels.pool $labels.pool | query }}}}{{{{ with first . }}}}{found}"
+                f"{{{{ end }}}}{rest}{{{{ end }}}}")
+    return text

@@ -13,11 +13,12 @@ import json
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
+from mismatch_monitor.expected_series import EXPECTED_LEVEL, expected_level_samples
 from mismatch_monitor.metrics import prometheus_name
 from mismatch_monitor.report_keys import label_text
 
@@ -73,6 +74,16 @@ def input_series(history: pd.DataFrame, rules: Sequence[AlertRule], steps: list[
     return out
 
 
+def level_series(pools: Mapping[str, Mapping[str, object]] | None, steps: int) -> list[dict[str, str]]:
+    """The pools' ``mismatch_expected_level`` series (constant over the ``steps`` steps), as the
+    exporter serves them given the same metadata."""
+    out = []
+    for labels, value in expected_level_samples(pools):
+        selector = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+        out.append({"series": f"{EXPECTED_LEVEL}{{{selector}}}", "values": f"{float(value)!r}+0x{max(steps - 1, 0)}"})
+    return out
+
+
 def _expected(rule: AlertRule, firing: list[Any]) -> list[dict[str, Any]]:
     out = []
     for event in sorted(firing, key=lambda e: "" if e.pool is None else e.pool):
@@ -86,10 +97,12 @@ def _expected(rule: AlertRule, firing: list[Any]) -> list[dict[str, Any]]:
 
 
 def alert_tests(history: pd.DataFrame, rules: Sequence[AlertRule], steps: list[int], step_seconds: float,
-                fleet_history: pd.DataFrame | None = None, eval_steps: EvalSteps = "changes") -> list[dict]:
+                fleet_history: pd.DataFrame | None = None, eval_steps: EvalSteps = "changes",
+                pools: Mapping[str, Mapping[str, object]] | None = None) -> list[dict]:
     """``alert_rule_test`` entries: every rule at every step (``all``), or at each step where the
-    set of firing pools changes and at the step before it (``changes``)."""
-    evaluator = AlertEvaluator(tuple(rules))
+    set of firing pools changes and at the step before it (``changes``). ``pools``: the pools'
+    metadata; summaries then end with the expected-level note."""
+    evaluator = AlertEvaluator(tuple(rules), pools=pools)
     per_step: list[dict[str, list[Any]]] = []
     for step, by_pool, fleet in iter_steps(history, fleet_history):
         evaluator.observe(step, float("nan"), by_pool, fleet=fleet)
@@ -115,17 +128,20 @@ def unit_test_document(history: pd.DataFrame, *, rules: Sequence[AlertRule] = DE
                        step_seconds: float, rule_file: str, fleet_history: pd.DataFrame | None = None,
                        eval_steps: EvalSteps = "changes",
                        promql_tests: Sequence[dict[str, Any]] = (),
-                       extra_series: Sequence[dict[str, str]] = ()) -> dict[str, Any]:
+                       extra_series: Sequence[dict[str, str]] = (),
+                       pools: Mapping[str, Mapping[str, object]] | None = None) -> dict[str, Any]:
     """A promtool test file (as a document for ``yaml_text.dump``) for ``history``; steps must
-    be consecutive (a gap would read as stale in Prometheus but not in the evaluator)."""
+    be consecutive (a gap would read as stale in Prometheus but not in the evaluator).
+    ``pools``: the pools' metadata; their expected-level series are input series too."""
     steps = sorted(set(history["step"].astype(int)) | (
         set(fleet_history["step"].astype(int)) if fleet_history is not None and len(fleet_history) else set()))
     if steps != list(range(steps[0], steps[0] + len(steps))) if steps else False:
         raise ValueError(f"expected consecutive steps, got gaps in {steps[0]}..{steps[-1]}")
     test: dict[str, Any] = {
         "interval": duration(step_seconds),
-        "input_series": input_series(history, rules, steps, fleet_history) + list(extra_series),
-        "alert_rule_test": alert_tests(history, rules, steps, step_seconds, fleet_history, eval_steps),
+        "input_series": (input_series(history, rules, steps, fleet_history) + level_series(pools, len(steps))
+                         + list(extra_series)),
+        "alert_rule_test": alert_tests(history, rules, steps, step_seconds, fleet_history, eval_steps, pools),
     }
     if promql_tests:
         test["promql_expr_test"] = list(promql_tests)

@@ -29,6 +29,7 @@ from mismatch_monitor.metric_defs import counter_ratios
 from .counts import INACTIVE
 from .promql import Recording, duration
 from .definitions import DEFAULT_RULES
+from .levels import note_template
 from .rules import AlertRule, check_rules
 from .yaml_text import dump
 
@@ -82,6 +83,7 @@ def alert_rule(rule: AlertRule, step_seconds: float) -> tuple[dict[str, Any], tu
         out["for"] = duration(rule.for_steps * step_seconds)
     out["labels"] = rule.labels
     out["annotations"] = {f: rule.template(f) for f in ("summary", "description", "runbook")}
+    out["annotations"]["summary"] += note_template(rule)   # "x times its expected healthy level"
     return out, recordings
 
 

@@ -20,6 +20,9 @@ Series and labels (never rank, layer or length):
   (:data:`HISTOGRAM`) accumulate per ``{pool, hardware}`` cell, so they sum across cells,
   ranks and exporters in PromQL. Histogram bucket bounds are bin edges of the engine's
   log-spaced histogram, so every bucket count is exact (up to the rounding of |lr| at an edge).
+* ``mismatch_expected_level{pool, metric, precision, engine}``: each pool's expected healthy
+  levels (``expected_series.py``), given the pools' ``run.json`` metadata (``pools=``); the
+  rendered alerts' summaries read it to say "x times its expected healthy level".
 * ``mismatch_resyncs_total{pool}`` counts resync requests (:meth:`count_resync`); fleet-wide
   ones have no pool label. ``mismatch_exporter_errors_total`` counts steps that failed to export.
 """
@@ -40,6 +43,7 @@ from prometheus_client.utils import floatToGoString
 from .config import MetricConfig
 from .engine import MismatchStats
 from .engine.histogram import LogBins
+from .expected_series import expected_level_family
 from .export_cells import DIMS, Admission, Cell, Cells, cells_of, slice_metrics
 from .label_limits import LabelLimit
 from .metric_defs import CounterDef, counter_defs
@@ -80,8 +84,10 @@ class MismatchExporter:
     scrape first takes in whatever is still queued, so it always shows every observed step."""
 
     def __init__(self, registry: CollectorRegistry | None = None, config: MetricConfig | None = None,
-                 *, limit: LabelLimit | None = None, clock: Callable[[], float] = time.time) -> None:
+                 *, limit: LabelLimit | None = None, clock: Callable[[], float] = time.time,
+                 pools: Mapping[str, Mapping[str, object]] | None = None) -> None:
         self.config = config or MetricConfig()
+        self._levels = expected_level_family(pools)
         self.limit = limit or LabelLimit()
         self.registry = CollectorRegistry() if registry is None else registry
         self._clock = clock
@@ -263,10 +269,14 @@ class MismatchExporter:
             families[-1].add_sample(LAST_STEP_TIME, {}, float(self._step[1]))
         self._families = families
 
+    def set_pools(self, pools: Mapping[str, Mapping[str, object]] | None) -> None:
+        """The pools' metadata (``run.json`` ``pools``: precision, engine) behind the expected levels."""
+        self._levels = expected_level_family(pools)
+
     def collect(self) -> Iterable[Metric]:
         self.process_queued()
         with self._work_lock:
-            return list(self._families)
+            return list(self._families) + [self._levels]
 
     # ------------------------------------------------------------------ HTTP endpoint
     def start(self, port: int = 0, addr: str = "127.0.0.1") -> int:

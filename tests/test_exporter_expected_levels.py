@@ -1,0 +1,42 @@
+"""The exporter serves each pool's expected healthy levels, read from expected_levels.csv by the
+pool's precision and engine; a pool without a row, or without metadata, has no sample."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import generate_latest
+
+from mismatch_monitor.expected_levels import LEVEL_METRICS, expected_level
+from mismatch_monitor.expected_series import EXPECTED_LEVEL
+from mismatch_monitor.exporter import MismatchExporter
+
+
+def served(exporter: MismatchExporter) -> dict[tuple[str, str], tuple[float, str, str]]:
+    text = generate_latest(exporter.registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == EXPECTED_LEVEL:
+                out[(s.labels["pool"], s.labels["metric"])] = (s.value, s.labels["precision"], s.labels["engine"])
+    return out
+
+
+def test_levels_follow_the_pools_metadata():
+    pools = {"int4": {"precision": "int4", "engine": "transformers/sdpa"},
+             "fp8": {"precision": "fp8", "engine": "vllm/top_p0.9"},          # family and engine variant
+             "tpu": {"precision": "bf16", "engine": "jax"},                   # no row
+             "bare": {}}
+    exporter = MismatchExporter(pools=pools)
+    got = served(exporter)
+    want = {}
+    for pool, meta in pools.items():
+        for key in LEVEL_METRICS:
+            level = expected_level(key, meta.get("precision"), meta.get("engine"))
+            if level is not None:
+                want[(pool, key.removeprefix("mismatch/"))] = (level.healthy, level.precision, level.engine)
+    assert got == want
+    assert got[("int4", "k3_kl")] == (0.04513, "int4", "transformers")      # the CSV's row, as written
+    assert ("fp8", "k3_kl") in got and not any(p in ("tpu", "bare") for p, _ in got)
+    exporter.set_pools({})
+    assert served(exporter) == {}
+    assert served(MismatchExporter()) == {}
