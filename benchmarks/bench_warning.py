@@ -3,6 +3,8 @@ injected faults, missed faults, and what each resync did.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_warning.py                      # the full run
     OMP_NUM_THREADS=1 python benchmarks/bench_warning.py --seeds 1 --steps 60 --onsets 2,10 --horizon 12
+    OMP_NUM_THREADS=1 python benchmarks/bench_warning.py ... --save DIR   # also keep each run's metrics
+    python benchmarks/bench_warning.py --replay DIR        # those runs through today's rules (seconds)
 
 Clean runs: ``stable_fleet`` (MoE policy by default) for each seed, every step through the engine and the in-process
 evaluator with the default rules; a resync an alert asks for is performed (as the demo does).
@@ -22,7 +24,9 @@ import argparse
 import time
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
+import pandas as pd
 import torch
 
 from mismatch_monitor.alerts import DEFAULT_RULES, AlertEvaluator
@@ -34,16 +38,45 @@ from mismatch_monitor.sim.scenarios import _FAULT_POOL, stable_fleet
 FAULTS = ("stop_sync", "ignore_temperature", "degrade_precision", "wrong_weights")
 
 
-def run(config, steps: int) -> tuple[list, AlertEvaluator, int]:
+SAVE: Path | None = None
+
+
+def save(name: str, by_pool: list[pd.DataFrame], fleet: list[pd.DataFrame]) -> None:
+    """Keep one run's per-pool and fleet metrics (``--save``) for :func:`replay`."""
+    if SAVE is not None and by_pool:
+        SAVE.mkdir(parents=True, exist_ok=True)
+        pd.concat(by_pool, ignore_index=True).to_parquet(SAVE / f"{name}.parquet")
+        pd.concat(fleet, ignore_index=True).to_parquet(SAVE / f"{name}.fleet.parquet")
+
+
+def replay(folder: Path) -> None:
+    """Each saved run through the current default rules (the simulator's own steps; a resync the
+    saved run performed is in its metrics, a rule that would ask for another one cannot)."""
+    for path in sorted(folder.glob("*.parquet")):
+        if path.name.endswith(".fleet.parquet"):
+            continue
+        history = pd.read_parquet(path)
+        history["pool"] = history["pool"].astype(str)
+        fleet = pd.read_parquet(path.with_name(path.name.replace(".parquet", ".fleet.parquet")))
+        _, events = AlertEvaluator.replay(history, fleet_history=fleet)
+        print(f"{path.stem}: {history['step'].max() + 1} steps, firings "
+              f"{[(e.step, e.alert, e.pool) for e in events if e.state == 'firing']}")
+
+
+def run(config, steps: int, name: str = "") -> tuple[list, AlertEvaluator, int]:
     """Events of ``steps`` steps of ``config``; resyncs the alerts ask for are performed."""
     sim = Simulation(config)
     evaluator = AlertEvaluator(DEFAULT_RULES)
     events, pool_steps = [], 0
+    kept: tuple[list, list] = ([], [])
     try:
         for out in sim.run(steps):
             stats = compute_stats(out.batch, config.thresholds)
             by_pool, fleet = report_by_label(stats, "pool", config.thresholds)
             pool_steps += len(by_pool)
+            if SAVE is not None:
+                kept[0].append(by_pool.to_frame().assign(step=out.step))
+                kept[1].append(fleet.to_frame().assign(step=out.step))
             step_events = evaluator.observe(out.step, time.time(), by_pool, fleet=fleet)
             events += step_events
             for e in step_events:
@@ -51,6 +84,7 @@ def run(config, steps: int) -> tuple[list, AlertEvaluator, int]:
                     sim.resync(e.pool)
     finally:
         sim.close()
+    save(name, *kept)
     return events, evaluator, pool_steps
 
 
@@ -59,7 +93,7 @@ def clean(seeds: int, steps: int, variant: str) -> None:
     total = 0
     for seed in range(seeds):
         config = stable_fleet(steps=steps, seed=seed, variant=variant)  # type: ignore[arg-type]
-        events, _, pool_steps = run(config, steps)
+        events, _, pool_steps = run(config, steps, f"clean_{variant}_{seed}")
         total += pool_steps
         firing.update(e.alert for e in events if e.state == "firing")
         print(f"clean seed {seed}: {pool_steps} pool-steps, firings: "
@@ -79,7 +113,7 @@ def faults(onsets: list[int], horizon: int, seed: int, kinds: tuple[str, ...], v
             pool = _FAULT_POOL[kind]
             config = replace(base, pools=tuple(replace(p, faults=(spec,)) if p.name == pool else p
                                                for p in base.pools))
-            events, evaluator, _ = run(config, onset + horizon + 1)
+            events, evaluator, _ = run(config, onset + horizon + 1, f"{kind}_{variant}_{onset}")
             on_pool = [e for e in events if e.state == "firing" and e.pool == pool and e.step >= onset]
             false = [e for e in events if e.state == "firing" and (e.pool != pool or e.step < onset)]
             first = on_pool[0] if on_pool else None
@@ -108,7 +142,14 @@ def main() -> None:
     parser.add_argument("--fault-seed", type=int, default=0)
     parser.add_argument("--variant", choices=("moe", "dense"), default="moe",
                         help="policy variant (moe: the routing-flip rule has flips to judge)")
+    parser.add_argument("--save", type=Path, help="keep each run's metrics here (parquet)")
+    parser.add_argument("--replay", type=Path, help="only replay the runs saved here through today's rules")
     args = parser.parse_args()
+    if args.replay is not None:
+        replay(args.replay)
+        return
+    global SAVE
+    SAVE = args.save
     torch.set_num_threads(1)
     started = time.perf_counter()
     clean(args.seeds, args.steps, args.variant)
