@@ -178,7 +178,9 @@ def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = Non
     if not clicks:
         st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False})
         return []
-    fig.update_layout(hovermode="closest")   # a click picks one line's point, not every line at that x
+    # a click picks one line's point, not every line at that x; a drag zooms (Streamlit's default
+    # for a chart selecting points is to pan)
+    fig.update_layout(hovermode="closest", dragmode="zoom")
     event = st.plotly_chart(fig, key=key, width="stretch", theme=None, config={"displaylogo": False},
                             on_select="rerun", selection_mode="points")
     return list(event.selection.points) if event is not None else []

@@ -160,6 +160,8 @@ def test_a_live_refresh_keeps_the_zoom_and_never_blanks(server: str) -> None:
         after = until(f"a live refresh that draws a step past {before['last']} (no reload, no click)",
                       lambda: (s := drawn()) and s["last"] > before["last"] and s, 240)
         page.wait_for_timeout(1000)
+        # a refresh that comes soon after the sampling starts leaves few samples: sample on (bounded)
+        page.wait_for_function("() => window.__watch.samples > 20", timeout=20_000)
         watched = page.evaluate("() => window.__watch")
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "live_zoom_kept.png"))    # the page: a refresh replaces the chart
