@@ -110,8 +110,9 @@ def collapse_head(*, steps: int = 300, variant: Variant = "dense", seed: int = 0
 def vllm_pools(*, kv_fp8: bool = False) -> tuple[PoolSpec, ...]:
     """Real in-process vLLM engines on the host CPU, one format each (``hardware="cpu"``: these
     numbers are measured, not reproduced): an fp32 control, fp16, bf16, online FP8 (W8A8), a bf16
-    top-p pool, and with ``kv_fp8`` a bf16 pool with an FP8 KV cache (AVX-512 or AMX only; int4
-    W4A16 pools need the same). No int8 pool: it syncs by restarting its engine (seconds a step)."""
+    top-p pool, and with ``kv_fp8`` a bf16 pool with an FP8 KV cache (AVX-512 or AMX only). No int8
+    pool: it syncs by restarting its engine (seconds a step). No int4 pool: where the CPU has no W4A16
+    kernel (AVX2) it would serve its int4 grid dequantized in a bf16 engine, whose sync is untested."""
     def pool(name: str, precision: str, prompts: int, **extra: object) -> PoolSpec:
         return PoolSpec(name, precision=precision, prompts=prompts, backend="vllm", engine="vllm",
                         hardware="cpu", **extra)  # type: ignore[arg-type]
