@@ -85,6 +85,8 @@ class MismatchCollector(ErrorKeeping):
         self.errors = ErrorLog()
         self.run_log = RunLog(clock, self._note, strict, self._event_observed)   # events and outcomes
         self.pools = {k: dict(v) for k, v in (pools or {}).items()}
+        if self.pools and callable(getattr(exporter, "set_pools", None)):   # its expected-level series
+            exporter.set_pools(self.pools)
         self.writer: RunWriter | None = None
         self._finalizer: weakref.finalize | None = None
         self._run_dir = run_dir

@@ -40,3 +40,20 @@ def test_levels_follow_the_pools_metadata():
     exporter.set_pools({})
     assert served(exporter) == {}
     assert served(MismatchExporter()) == {}
+
+
+def test_a_collector_hands_its_pools_to_the_exporter(tmp_path):
+    """As the docs attach them: the collector's pools (run.json's) give the exporter its levels,
+    which the alert annotations divide by; without them every note would be missing."""
+    from mismatch_monitor.collectors import MismatchCollector
+
+    pools = {"int4": {"precision": "int4", "engine": "transformers/sdpa"}}
+    exporter = MismatchExporter()
+    collector = MismatchCollector(tmp_path / "run", pools=pools, exporter=exporter, handle_signals=False,
+                                  alert_evaluator=None)
+    try:
+        got = served(exporter)
+    finally:
+        collector.close()
+    assert got and {pool for pool, _ in got} == {"int4"}
+    assert got[("int4", "k3_kl")][0] == expected_level("mismatch/k3_kl", "int4", "transformers/sdpa").healthy

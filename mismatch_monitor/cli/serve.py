@@ -73,12 +73,12 @@ def run(args: argparse.Namespace) -> int:
     from ..label_limits import LabelLimit
     from ..store import read_run_info
 
-    read_run_info(args.run_dir)  # a clear error when it is not a run
+    info = read_run_info(args.run_dir)  # a clear error when it is not a run
     if not args.poll_seconds > 0:
         raise ValueError(f"expected --poll-seconds > 0, got {args.poll_seconds}")
     limit = LabelLimit() if args.max_label_values is None else LabelLimit(args.max_label_values)
     con = query.connect()
-    exporter = MismatchExporter(config=query.run_config(args.run_dir), limit=limit)
+    exporter = MismatchExporter(config=query.run_config(args.run_dir), limit=limit, pools=info["pools"])
     step = load_run(exporter, con, args.run_dir)
     port = exporter.start(args.port, args.addr)
     print(f"serving {args.run_dir} on http://{args.addr}:{port}/metrics "
