@@ -112,8 +112,12 @@ class SignalFlush:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name="mismatch-monitor-signal-flush", daemon=True).start()
+        helper = threading.Thread(target=run, name="mismatch-monitor-signal-flush", daemon=True)
+        helper.start()
         if done.wait(self._seconds):
+            # let it end before the signal is passed on: a daemon thread still running when the
+            # interpreter exits (KeyboardInterrupt, or SIGTERM's default action) can abort it
+            helper.join(self._seconds)
             log.warning("mismatch-monitor: %s: wrote %d buffered step(s) of %s before passing the signal on",
                         signal.Signals(signum).name, pending - writer.pending_steps, writer.run_dir)
         else:
