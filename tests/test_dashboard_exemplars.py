@@ -36,6 +36,12 @@ def server(root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str
         yield from serve(root, log)
 
 
+def _browser_page(pw):
+    """A headless Chromium and a tall page of it (every test here reads the whole app)."""
+    b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
+    return b, b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+
+
 def test_link_opens_coloured_tokens_of_step_and_pool(server: str, root: Path) -> None:
     files = str(root / RUN.name / "exemplar_tokens" / "*.parquet")
     # a middle step and the pool of its worst token, read from the Parquet files, not through the app
@@ -44,8 +50,7 @@ def test_link_opens_coloured_tokens_of_step_and_pool(server: str, root: Path) ->
     stored = {round(v, 9) for (v,) in duckdb.sql(
         f"select abs_log_ratio from read_parquet('{files}') where step = {step} and pool = '{pool}'").fetchall()}
     with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
-        page = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+        b, page = _browser_page(pw)
         page.goto(f"{server}/exemplars?run={RUN.name}&step={step}&pool={pool}")
         wait_drawn(page)
         page.locator(".mm-token").first.wait_for(timeout=60_000)
@@ -71,8 +76,7 @@ def test_link_opens_coloured_tokens_of_step_and_pool(server: str, root: Path) ->
 
 def test_pools_page_links_a_worst_step_to_its_exemplars(server: str, root: Path) -> None:
     with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
-        page = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+        b, page = _browser_page(pw)
         page.goto(f"{server}/pools?run={RUN.name}")
         wait_drawn(page)
         link = page.locator('a[href*="exemplars?run="]').first
@@ -104,8 +108,7 @@ POINT = """([el, pool, i]) => {
 def test_clicking_a_point_of_the_pools_series_opens_its_step_and_pool(server: str, root: Path) -> None:
     pool, i = "fp8", 42
     with sync_api.sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
-        page = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()
+        b, page = _browser_page(pw)
         page.goto(f"{server}/pools?run={RUN.name}&refresh=off")
         wait_drawn(page)
         plot = page.locator(".st-key-pools_series .js-plotly-plot").first
