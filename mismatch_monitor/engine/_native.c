@@ -72,7 +72,8 @@ typedef struct {
 
 /* A block of tokens: the vector stage fills it, the scalar stage adds it up. A "rare" token
  * (invalid, or |lr| beyond the series or the central regions) has zeros in v, lr and e_abs,
- * NaN in lr_mm and the dump bin NB in bin; the scalar stage adds it on its own. */
+ * NaN in lr_mm (the only tokens with NaN there) and the dump bin NB in bin; the scalar stage
+ * adds it on its own. */
 typedef struct {
     double t[BLOCK], s[BLOCK];
     V4 v[BLOCK];              /* 1, lr, k3, rho^2 */
@@ -80,10 +81,10 @@ typedef struct {
     double ps[BLOCK], dp[BLOCK];  /* p_S = exp(s) and p_T - p_S = p_S (rho - 1) */
     int64_t seq[BLOCK];       /* sequence */
     int64_t sc[BLOCK];        /* sequence cell */
-    int64_t tb[BLOCK];        /* turn index, then turn bucket */
+    int64_t tb[BLOCK];        /* turn index */
+    uint8_t brk[BLOCK + 8];   /* 1 where a run starts (block_values) */
     int64_t jb[BLOCK];        /* central joint bin: lowprob bucket * 2 + (lr > 0) */
     int64_t bin[BLOCK];       /* |lr| histogram bin */
-    int64_t rare[BLOCK];
 } Block;
 
 /* Log-probs as doubles; `dtype` 0: float32, 1: float64, 2: bfloat16 (the top half of a
@@ -108,21 +109,21 @@ static inline __attribute__((always_inline)) void load_values(const void *src, i
 
 /* |lr| histogram bin of each lr: the lookup's first bin for the key (exponent and top mantissa
  * bits), one step up if above that bin's upper edge. Branch-free, so that it vectorizes. */
-static inline __attribute__((always_inline)) void bins_of(const TokenParams *p, int64_t m,
-                                                          const double *restrict lr, int64_t *restrict out) {
+static inline __attribute__((always_inline)) void bins_of(const TokenParams *p, const double *restrict lut_up,
+                                                          int64_t m, const double *restrict lr,
+                                                          int64_t *restrict out) {
     const int64_t shift = p->lut_shift, base = p->lut_base, last = p->lut_size - 1, over = p->NB - 1;
     const double zero_edge = p->upper[0], over_edge = p->upper[p->NB - 2];
     const int64_t *restrict lut = p->lut;
-    const double *restrict upper = p->upper;
     for (int64_t i = 0; i < m; i++) {
         const double a = fabs(lr[i]);
         union { double d; int64_t i; } bits = {a};
         int64_t key = (bits.i >> shift) - base;
         key = key < 0 ? 0 : key;
         key = key > last ? last : key;
-        int64_t bin = lut[key];
-        const double up = upper[bin];
-        bin = bin + (a > up ? 1 : 0);
+        const int64_t first = lut[key];
+        const double up = lut_up[key];           /* upper[first], read beside it */
+        int64_t bin = first + (a > up ? 1 : 0);
         bin = a > zero_edge ? bin : 0;
         out[i] = a > over_edge ? over : bin;
     }
@@ -217,12 +218,14 @@ static inline __attribute__((always_inline)) double exp_logprob(double x) {
 }
 
 /* Straight-line loops over a block of m tokens, written for the compiler to vectorize. Rare
- * tokens are left to the scalar stage (see Block). Returns 0 when a turn index is negative. */
-static inline __attribute__((always_inline)) int block_values(const TokenParams *p, int64_t m, Block *b, int has_turn,
-                               const int64_t *restrict turn_table) {
+ * tokens are left to the scalar stage (see Block). Returns 0 when a turn index is negative, 2
+ * when the block holds a rare token, 1 otherwise. */
+static inline __attribute__((always_inline)) int block_values(const TokenParams *p, const double *restrict lut_up,
+                                                               int64_t m, Block *b, int has_turn) {
     const double *c = p->series;
     const double tol = p->tol, lowest = -DBL_MAX;
     const double rare_abs = p->poly_max < p->outlier_abs ? p->poly_max : p->outlier_abs;
+    int64_t any_rare = 0;
     for (int64_t i = 0; i < m; i++) {
         const double t = b->t[i], s = b->s[i];
         const double lr = t - s;
@@ -243,7 +246,7 @@ static inline __attribute__((always_inline)) int block_values(const TokenParams 
         const double ps = exp_logprob(s);
         b->ps[i] = masked(ps, keep);
         b->dp[i] = masked(ps * (lr + k3), keep);  /* rho - 1 = lr + k3: no cancellation of p_T - p_S */
-        b->rare[i] = rare;
+        any_rare |= rare;
         b->jb[i] = lr > 0;
     }
     for (int64_t e = 0; e < p->NL - 1; e++) {      /* lowprob bucket = edges <= log p */
@@ -254,16 +257,16 @@ static inline __attribute__((always_inline)) int block_values(const TokenParams 
         uint64_t bad = 0;
         for (int64_t i = 0; i < m; i++) bad |= (uint64_t)(b->tb[i] < 0);
         if (bad) return 0;
-        const int64_t last = p->turn_last;
-        for (int64_t i = 0; i < m; i++) {
-            const int64_t tu = b->tb[i];
-            b->tb[i] = turn_table[tu > last ? last : tu];
-        }
     } else {
         memset(b->tb, 0, (size_t)m * sizeof(int64_t));
     }
-    bins_of(p, m, b->lr_mm, b->bin);
-    return 1;
+    /* where a run (tokens of one sequence and turn index) starts; 1s after the block end stop
+     * the search for the next start (see next_start) */
+    b->brk[0] = 1;
+    for (int64_t i = 1; i < m; i++) b->brk[i] = (b->seq[i] != b->seq[i - 1]) | (b->tb[i] != b->tb[i - 1]);
+    memset(b->brk + m, 1, 8);
+    bins_of(p, lut_up, m, b->lr_mm, b->bin);
+    return 1 + (any_rare != 0);
 }
 
 /* The caller's accumulators; part of TokenPass, mirrored by native.Out (keep the order). */
@@ -291,8 +294,9 @@ static inline void add_psums(const Out *out, int64_t n_cells, int64_t cell, doub
 
 /* A rare token, straight into the caller's arrays (exactly: expm1 and exp beyond the series,
  * its region by search beyond the central ones); its place in the block becomes the dump. */
-static int64_t add_rare(const TokenParams *p, const Out *out, Block *b, int64_t k) {
-    const int64_t cell = b->sc[k] * p->n_turn + b->tb[k], sq = b->seq[k], NB = p->NB, R = p->R;
+static int64_t add_rare(const TokenParams *p, const double *lut_up, const Out *out, Block *b, int64_t k,
+                        int64_t tb) {
+    const int64_t cell = b->sc[k] * p->n_turn + tb, sq = b->seq[k], NB = p->NB, R = p->R;
     const double tv = b->t[k], sv = b->s[k];
     b->bin[k] = NB;
     if (!(isfinite(tv) && isfinite(sv))) {
@@ -323,7 +327,7 @@ static int64_t add_rare(const TokenParams *p, const Out *out, Block *b, int64_t 
         slot = p->slot_of_region[region];
     }
     int64_t bin;
-    bins_of(p, 1, &lr, &bin);
+    bins_of(p, lut_up, 1, &lr, &bin);
     out->abs_hist[cell * NB + bin]++;
     const int64_t first = cell * p->NL * R, j = first + (b->jb[k] >> 1) * R + slot;
     out->joint_n[j]++;
@@ -416,7 +420,7 @@ static void end_sequence(const Out *out, int64_t seq, double sum_lr, double sum_
     if (max_abs > out->seq_max_abs[seq]) out->seq_max_abs[seq] = max_abs;
 }
 
-/* Sums over a run of tokens [k, r) of one sequence and turn bucket, in four lanes. */
+/* Sums over a run of tokens [k, r) of one sequence and turn index, in four lanes. */
 typedef struct {
     double lr, lr2, e_abs, min_lr, max_lr;
     int64_t lo, hi, n_zero;
@@ -522,9 +526,28 @@ static inline __attribute__((always_inline)) void run_psums(const Block *restric
     acc[6] = mx;
 }
 
+/* The turn bucket of turn index tu >= 0 (0 without turns). */
+static inline __attribute__((always_inline)) int64_t turn_bucket(const TokenParams *p, const int64_t *turn_table,
+                                                                 int64_t tu) {
+    return turn_table ? turn_table[tu > p->turn_last ? p->turn_last : tu] : 0;
+}
+
+/* The first run start at or after i (m when none is left in the block): eight flags at a time. */
+static inline __attribute__((always_inline)) int64_t next_start(const uint8_t *brk, int64_t i, int64_t m) {
+    for (;; i += 8) {
+        uint64_t w;
+        memcpy(&w, brk + i, sizeof w);
+        if (w) {
+            i += __builtin_ctzll(w) >> 3;
+            return i < m ? i : m;
+        }
+    }
+}
+
 /* Both stages over every block; built for AVX-512, for AVX2 + FMA and for baseline x86-64,
  * picked at load time. The scalar stage goes run by run (tokens of one sequence and turn
- * bucket): each token adds its four joint values with one vector add and counts its histogram
+ * index, found eight start flags at a time; the turn bucket is looked up once per run): each
+ * token adds its four joint values with one vector add and counts its histogram
  * bin, and a run's sums are reduced in lanes. The running values of the current sequence are
  * plain locals (registers): held in a struct whose address escapes, each += would go through
  * memory. */
@@ -532,7 +555,8 @@ CLONES_TOKEN
 static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n_ranges, const void *t,
                             int t_dtype, const void *s, int s_dtype, const int64_t *restrict seq,
                             const int64_t *restrict turn, const int64_t *restrict seq_cell,
-                            const int64_t *restrict turn_table, const Out *out, Local *L, Block *restrict blk) {
+                            const int64_t *restrict turn_table, const double *restrict lut_up, const Out *out,
+                            Local *L, Block *restrict blk) {
     const int64_t NB = p->NB, nc = 2 * p->NL, n_turn = p->n_turn;
     int64_t n = 0;
     for (int64_t i = 0; i < n_ranges; i++) n += ranges[i].stop - ranges[i].start;
@@ -543,18 +567,16 @@ static int64_t token_blocks(const TokenParams *p, const Range *ranges, int64_t n
         const int64_t m = n - done < BLOCK ? n - done : BLOCK;
         if (!fill_block(p, ranges, n_ranges, &ri, &at, m, t, t_dtype, s, s_dtype, seq, turn, seq_cell, blk))
             return -3;
-        if (!block_values(p, m, blk, turn != NULL, turn_table)) return -3;
+        const int status = block_values(p, lut_up, m, blk, turn != NULL);
+        if (!status) return -3;
         done += m;
-        int64_t any_rare = 0;
-        for (int64_t k = 0; k < m; k++) any_rare |= blk->rare[k];
         valid += m;
-        if (any_rare)
+        if (status == 2)                        /* a rare token: NaN in lr_mm */
             for (int64_t k = 0; k < m; k++)
-                if (blk->rare[k]) valid += add_rare(p, out, blk, k) - 1;
+                if (isnan(blk->lr_mm[k])) valid += add_rare(p, lut_up, out, blk, k, turn_bucket(p, turn_table, blk->tb[k])) - 1;
         for (int64_t k = 0; k < m;) {
-            const int64_t sq = blk->seq[k], tb = blk->tb[k];
-            int64_t r = k + 1;
-            while (r < m && blk->seq[r] == sq && blk->tb[r] == tb) r++;
+            const int64_t sq = blk->seq[k], tb = turn_bucket(p, turn_table, blk->tb[k]);
+            const int64_t r = next_start(blk->brk, k + 1, m);
             if (sq != cur_seq) {
                 if (cur_seq >= 0) end_sequence(out, cur_seq, seq_lr, seq_exp, seq_max);
                 cur_seq = sq;
@@ -634,8 +656,10 @@ int64_t mm_token_pass(const TokenPass *a) {
     L.psum = aligned_alloc(64, ((size_t)T * (N_PSUMS + 1) * sizeof(V4) + 63) / 64 * 64);
     int64_t *ints = calloc((size_t)(5 * T), sizeof(int64_t));
     Block *blk = aligned_alloc(64, (sizeof(Block) + 63) / 64 * 64);
+    double *lut_up = malloc((size_t)p->lut_size * sizeof(double));
     int64_t valid = -2;
-    if (L.joint && L.hist && sums && L.psum && ints && blk) {
+    if (L.joint && L.hist && sums && L.psum && ints && blk && lut_up) {
+        for (int64_t key = 0; key < p->lut_size; key++) lut_up[key] = p->upper[p->lut[key]];
         memset(L.joint, 0, n_joint * sizeof(V4));
         L.lr2 = sums;
         L.e_abs = sums + T;
@@ -647,7 +671,7 @@ int64_t mm_token_pass(const TokenPass *a) {
         L.n_zero = ints + 4 * T;
         for (int64_t tb = 0; tb < T; tb++) reset_bucket(&L, tb, NB);
         valid = token_blocks(p, a->ranges, a->n_ranges, a->t, (int)a->t_dtype, a->s, (int)a->s_dtype, a->seq,
-                             a->turn, a->seq_cell, a->turn_table, &a->out, &L, blk);
+                             a->turn, a->seq_cell, a->turn_table, lut_up, &a->out, &L, blk);
     }
     free(L.joint);
     free(L.hist);
@@ -655,6 +679,7 @@ int64_t mm_token_pass(const TokenPass *a) {
     free(sums);
     free(ints);
     free(blk);
+    free(lut_up);
     return valid;
 }
 
