@@ -15,6 +15,7 @@ from .fleet_rise import RiseAgainstFleet
 from .counts import CountRise
 from .tails import TailRise
 from .jumps import StepJump
+from .expected_gate import AboveExpected
 from .drift import PooledDrift
 from .pooled import MeanRise
 from .rules import AlertRule
@@ -191,9 +192,30 @@ STEP_JUMP = AlertRule(
              "pool's precision and kernels."),
 )
 
+ABOVE_EXPECTED = AlertRule(
+    name="MismatchAboveExpected",
+    # factor 5: on the project's clean recordings (two sample runs and 5 more simulator runs, 3,800 pool-steps)
+    # the largest p90 / expected p99 is 2.5 for pools at their own level and 4.4 for the lagged
+    # pool, whose lag the levels do not describe (docs/ALERTS.md)
+    condition=AboveExpected("mismatch/abs_log_ratio/p90", "mismatch/abs_log_ratio/p99", TOKENS, factor=5.0,
+                            z=Z_COUNTS),
+    severity="critical",
+    resync=True,
+    fix="resync",
+    summary="p90 |log ratio| of pool {pool} is {value}x the p99 a healthy pool of its kind has",
+    description=("The 90th percentile of |log pi - log mu| in pool {pool} is {value} times the 99th percentile "
+                 "expected of a healthy pool of its precision and engine (expected_levels.csv; threshold "
+                 "{threshold}x), with more tokens above that edge than a healthy pool's 1% explains (z > {z}). "
+                 "No history is needed: this holds from the pool's first step."),
+    runbook=("A pool this far from its kind's healthy level from its first steps runs something other than "
+             "it claims: weights not loaded or the wrong version (resync and check the sampler's weight "
+             "version), or a precision or kernel other than its metadata says. If a resync does not bring it "
+             "back, check the pool's quantization and engine flags against run.json."),
+)
+
 DEFAULT_RULES: tuple[AlertRule, ...] = (
     TAIL_GROWTH, KL_SPIKE, LOW_ESS, DRIFT, EXTREME_SHARE_RISE, ROUTING_FLIP_RISE, STALENESS_HIGH,
-    POOL_OUTLIER, NON_FINITE, STEP_JUMP,
+    POOL_OUTLIER, NON_FINITE, STEP_JUMP, ABOVE_EXPECTED,
 )
 
 # Opt-in, for setups that claim bitwise agreement (batch-invariant kernels, the same engine on

@@ -29,7 +29,7 @@ from .conditions import Scope, Snapshot
 from .counts import INACTIVE
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
-from .levels import expected_note
+from .levels import expected_note, with_levels
 from .resync import NUMERIC_NOTE, ResyncOutcome, ResyncPolicy
 from .rules import AlertRule, Fix, Severity, check_rules
 from .steps import _snapshot, iter_steps
@@ -91,6 +91,8 @@ class AlertEvaluator:
         self._history = TrailingValues(windows)
         self._keys = {scope: sorted({k for r in rules if r.scope == scope for k in r.condition.metrics})
                       for scope in ("pool", "fleet")}
+        self._levels = tuple(sorted({k for r in rules if r.scope == "pool"
+                                     for k in getattr(r.condition, "levels", ())}))
         self._active: dict[tuple[str, str | None], _Active] = {}
         # pool-steps a rule could not decide ("not enough tokens"): per (rule, pool), and the last step's
         self._undecided_counts: dict[tuple[str, str | None], int] = {}
@@ -114,7 +116,8 @@ class AlertEvaluator:
         if self._last_step is not None and step <= self._last_step:
             self._history.rewind(step)
         self._last_step = step
-        snapshots = {"pool": _snapshot(by_pool, self._keys["pool"], pooled=True),
+        pooled = _snapshot(by_pool, self._keys["pool"], pooled=True)
+        snapshots = {"pool": with_levels(pooled, self._levels, self.pools),
                      "fleet": _snapshot(fleet, self._keys["fleet"], pooled=False)}
         now = snapshots["pool"]
         self._values = {p: {k: float(v[i]) for k, v in now.values.items()} for i, p in enumerate(now.pools)}

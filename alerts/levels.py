@@ -10,10 +10,14 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+import numpy as np
+
 from mismatch_monitor.expected_levels import LEVEL_METRICS, expected_for_pool, times_expected
 from mismatch_monitor.expected_series import EXPECTED_LEVEL, level_label
 from mismatch_monitor.metrics import prometheus_name
 
+from .conditions import Snapshot
+from .expected_gate import level_key
 from .rules import AlertRule, format_g3
 
 
@@ -49,3 +53,15 @@ def note_template(rule: AlertRule) -> str:
         text = (f"{{{{ with printf `{query}` $labels.pool $labels.pool | query }}}}{{{{ with first . }}}}{found}"
                 f"{{{{ end }}}}{rest}{{{{ end }}}}")
     return text
+
+
+def with_levels(now: Snapshot, keys: tuple[str, ...], pools: Mapping[str, Mapping[str, object]]) -> Snapshot:
+    """``now`` plus each metric's expected healthy level per pool under :func:`.expected_gate.level_key`
+    (NaN where the pool has no level), as ``mismatch_expected_level`` is to the rules file."""
+    if not keys or not now.pools:
+        return now
+    values = dict(now.values)
+    for key in keys:
+        found = [expected_for_pool(key, pools.get(p)) for p in now.pools]
+        values[level_key(key)] = np.array([np.nan if x is None else x.healthy for x in found], dtype=np.float64)
+    return Snapshot(now.pools, values)

@@ -26,9 +26,10 @@ from .jumps import StepJump
 from .drift import PooledDrift
 from .pooled import MeanRise
 from .fleet_rise import RiseAgainstFleet
+from .expected_gate import AboveExpected
 
 Condition = (Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools | CountRise | TailRise | MeanRise
-             | PooledDrift | StepJump | RiseAgainstFleet)
+             | PooledDrift | StepJump | RiseAgainstFleet | AboveExpected)
 
 Severity = Literal["info", "warning", "critical"]
 Fix = Literal["resync", "cap_per_pool", "discard_long_rollouts", "routing_replay", "fp32_head",

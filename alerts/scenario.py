@@ -57,6 +57,11 @@ class Incident:
 
 
 INCIDENTS: tuple[Incident, ...] = (
+    # a pool broken from its first step (wrong weights loaded): far above its kind's expected level,
+    # with no history for any relative rule (fires given the pools' metadata, files.SCENARIO_POOLS)
+    Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p90", 1.0, range(0, 2)),
+    Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p99", 1.2, range(0, 2)),
+    Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p999", 1.5, range(0, 2)),
     # a weight sync that fails at step 2: k3 jumps 20x from the first steps, before any baseline
     Incident("MismatchStepJump", "fp8", "mismatch/k3_kl", 1.2e-2, range(2, 6)),
     # ... carried by the whole distribution: p90 above the p99 of the steps before

@@ -49,6 +49,11 @@ def save(name: str, by_pool: list[pd.DataFrame], fleet: list[pd.DataFrame]) -> N
         pd.concat(fleet, ignore_index=True).to_parquet(SAVE / f"{name}.fleet.parquet")
 
 
+def pool_metadata(config) -> dict[str, dict[str, object]]:
+    """The pools' run.json metadata (precision, engine), which the expected-level gate reads."""
+    return {p.name: p.metadata() for p in config.pools}
+
+
 def replay(folder: Path) -> None:
     """Each saved run through the current default rules (the simulator's own steps; a resync the
     saved run performed is in its metrics, a rule that would ask for another one cannot)."""
@@ -58,7 +63,8 @@ def replay(folder: Path) -> None:
         history = pd.read_parquet(path)
         history["pool"] = history["pool"].astype(str)
         fleet = pd.read_parquet(path.with_name(path.name.replace(".parquet", ".fleet.parquet")))
-        _, events = AlertEvaluator.replay(history, fleet_history=fleet)
+        pools = pool_metadata(stable_fleet())   # the same pools in both variants
+        _, events = AlertEvaluator.replay(history, fleet_history=fleet, pools=pools)
         print(f"{path.stem}: {history['step'].max() + 1} steps, firings "
               f"{[(e.step, e.alert, e.pool) for e in events if e.state == 'firing']}")
 
@@ -66,7 +72,7 @@ def replay(folder: Path) -> None:
 def run(config, steps: int, name: str = "") -> tuple[list, AlertEvaluator, int]:
     """Events of ``steps`` steps of ``config``; resyncs the alerts ask for are performed."""
     sim = Simulation(config)
-    evaluator = AlertEvaluator(DEFAULT_RULES)
+    evaluator = AlertEvaluator(DEFAULT_RULES, pools=pool_metadata(config))
     events, pool_steps = [], 0
     kept: tuple[list, list] = ([], [])
     try:

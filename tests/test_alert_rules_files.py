@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from mismatch_monitor.alerts import AlertEvaluator, DEFAULT_RULES, render_rules
-from mismatch_monitor.alerts.files import stale_files
+from mismatch_monitor.alerts.files import SCENARIO_POOLS, stale_files
 from mismatch_monitor.alerts.promtool import run_tool
 from mismatch_monitor.alerts.render import ALERTMANAGER_EXAMPLE, RULES_FILE, RULES_TEST_FILE
 from mismatch_monitor.alerts.scenario import INCIDENTS, scenario_history
@@ -38,7 +38,7 @@ def test_promtool_accepts_the_rules_and_their_unit_tests():
 
 
 def test_every_alert_fires_and_clears_in_the_scenario():
-    _, events = AlertEvaluator.replay(scenario_history())
+    _, events = AlertEvaluator.replay(scenario_history(), pools=SCENARIO_POOLS)
     fired = {(e.alert, e.pool) for e in events if e.state == "firing"}
     resolved = {(e.alert, e.pool) for e in events if e.state == "resolved"}
     assert {r.name for r in DEFAULT_RULES} == {a for a, _ in fired} == {a for a, _ in resolved}
