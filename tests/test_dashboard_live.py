@@ -1,5 +1,6 @@
-"""A live refresh while a demo writes a run, in a real Chromium: the user's zoom and legend choices
-survive the refreshes that bring new steps, and what is shown never blanks or greys out.
+"""A live refresh while a demo writes a run, in a real Chromium: the user's zoom (x, and y of the
+subplot zoomed) and legend choices (a pool hidden) survive the refreshes that bring new steps, and
+what is shown never blanks or greys out.
 
 ``mismatch-monitor demo`` runs in its own process (the simulator, the collector, its store) and the
 dashboard follows the run it writes, refreshing every 15 s (``st.fragment(run_every=...)``, see
@@ -7,7 +8,7 @@ dashboard follows the run it writes, refreshing every 15 s (``st.fragment(run_ev
 server draws it on every rerun (``zoom.keep``). That, not plotly's ``uirevision``, is what keeps
 the zoom: Streamlit 1.67 replaces a keyed chart's element whenever its figure changes (a new
 element id, so plotly's per-element UI state is gone), which is every refresh that brings steps.
-The test fails when ``zoom.keep`` stops drawing the URL's range.
+The test fails when ``zoom.keep`` stops drawing the URL's x range, y range or hidden legend entries.
 
 Every wait is bounded and says what it waited for. (An earlier version read the largest step from
 ``el.data[i].x``: plotly.py ships numpy arrays base64-encoded there, so no value was numeric and an
@@ -25,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from urllib.parse import unquote_plus
 
 import pytest
 
@@ -122,10 +124,10 @@ def state(page) -> dict | None:  # noqa: ANN001
 
 def box_zoom(page) -> None:  # noqa: ANN001
     """A user's drag of a box across the first subplot's middle (an x and a y zoom)."""
-    box = page.evaluate(f"""() => {{ const a = document.querySelector('.st-key-{KEY} .js-plotly-plot .nsewdrag');
+    box = until("the chart's plot area (a refresh may be replacing it)", lambda: page.evaluate(
+        f"""() => {{ const a = document.querySelector('.st-key-{KEY} .js-plotly-plot .nsewdrag');
         if (!a) return null; a.scrollIntoView({{block: 'center'}}); const r = a.getBoundingClientRect();
-        return r.width > 0 ? {{x: r.x, y: r.y, w: r.width, h: r.height}} : null; }}""")
-    assert box, "the chart has no plot area"
+        return r.width > 0 ? {{x: r.x, y: r.y, w: r.width, h: r.height}} : null; }}"""), 30, every=0.2)
     page.mouse.move(box["x"] + box["w"] * 0.2, box["y"] + box["h"] * 0.25)
     page.mouse.down()
     for f in (0.25, 0.5, 0.75, 1.0):
@@ -133,7 +135,25 @@ def box_zoom(page) -> None:  # noqa: ANN001
     page.mouse.up()
 
 
-def test_a_live_refresh_keeps_the_zoom_and_never_blanks(server: str) -> None:
+def hide_pool(page) -> str:  # noqa: ANN001
+    """A user's click on the legend entry of the last pool listed: that pool is hidden and named
+    in the URL (``<key>_hide``); the pool's name."""
+    hide = re.compile(rf"{KEY}_hide=([^&]+)")
+    for _ in range(3):              # a click made while a refresh replaces the chart is lost: again
+        entry = page.locator(f".st-key-{KEY} .js-plotly-plot .legend .traces").last
+        name = entry.locator(".legendtext").text_content(timeout=30_000)
+        entry.locator(".legendtoggle").click(timeout=30_000)
+        try:
+            page.wait_for_url(hide, timeout=30_000)
+            break
+        except sync_api.TimeoutError:
+            continue
+    assert hide.search(page.url), f"the legend click never reached the URL: {page.url}"
+    assert unquote_plus(hide.search(page.url).group(1)) == name, (page.url, name)
+    return name
+
+
+def test_a_live_refresh_keeps_the_zoom_and_legend_and_never_blanks(server: str) -> None:
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 2000})
@@ -153,9 +173,16 @@ def test_a_live_refresh_keeps_the_zoom_and_never_blanks(server: str) -> None:
         assert zoomed.search(page.url), f"the drag never reached the URL: {page.url}"
         lo, hi = (float(v) for v in zoomed.search(page.url).groups())
         assert full["x"][0][0] < lo < hi, (full["x"][0], lo, hi)     # a zoom into the run's steps
+        # the box's y zoom of the first subplot (y axis 1; on a log axis in decades) and a pool
+        # hidden by a click on its legend entry go to the URL too
+        y_zoomed = re.compile(rf"{KEY}_yr=1~(\w+)~([-\d.e]+)~([-\d.e]+)")
+        page.wait_for_url(y_zoomed, timeout=30_000)
+        y_lo, y_hi = (float(v) for v in y_zoomed.search(page.url).groups()[1:])
+        hidden = hide_pool(page)
         drawn = lambda: (s := state(page)) and s["last"] is not None and s                   # noqa: E731
-        before = until(f"the chart drawn with the zoom {lo}~{hi}",
-                       lambda: (s := drawn()) and s["x"][0] == pytest.approx([lo, hi], rel=1e-9) and s, 60)
+        before = until(f"the chart drawn with the zoom {lo}~{hi}, y {y_lo}~{y_hi}, {hidden} hidden",
+                       lambda: (s := drawn()) and s["x"][0] == pytest.approx([lo, hi], rel=1e-9)
+                       and s["y"][0] == pytest.approx([y_lo, y_hi], rel=1e-9) and hidden in s["hidden"] and s, 60)
         page.evaluate(WATCH, KEY)
         after = until(f"a live refresh that draws a step past {before['last']} (no reload, no click)",
                       lambda: (s := drawn()) and s["last"] > before["last"] and s, 240)
@@ -167,6 +194,10 @@ def test_a_live_refresh_keeps_the_zoom_and_never_blanks(server: str) -> None:
         page.screenshot(path=str(ARTIFACTS / "live_zoom_kept.png"))    # the page: a refresh replaces the chart
         assert all(r == pytest.approx([lo, hi], rel=1e-9) for r in after["x"]), \
             f"the zoom {lo}~{hi} was not kept across the refresh: {after['x']}"
+        assert after["y"][0] == pytest.approx([y_lo, y_hi], rel=1e-9), \
+            f"the y zoom {y_lo}~{y_hi} was not kept across the refresh: {after['y'][0]}"
+        assert hidden in after["hidden"] and set(after["hidden"]) == set(before["hidden"]), \
+            f"the legend choice ({hidden} hidden) was not kept across the refresh: {after['hidden']}"
         assert watched["samples"] > 20 and watched["charts"] >= 1, watched   # never blank
         assert watched["opacity"] == 1 and watched["untitled"] == 0, watched  # never greyed out
         assert page.locator('[data-testid="stException"]').count() == 0

@@ -58,3 +58,37 @@ def test_a_zoom_in_the_url_is_drawn_on_every_subplot(monkeypatch, runs: Dashboar
     assert len(ranges) > 1 and all(r == [3.0, 9.5] for r in ranges), ranges
     at = open_page(monkeypatch, runs.root, POOLS_PAGE, "fleet", pools_series_x="9.5~3")  # crafted: ignored
     assert all(r is None for r in x_ranges(chart(at, "pools_series")))
+
+
+@pytest.mark.parametrize("values, want", [
+    (["1~linear~0.5~2", "3~log~-4~-1.5"], {1: ("linear", [0.5, 2.0]), 3: ("log", [-4.0, -1.5])}),
+    (["2~log~-1~-3"], {}),                         # inverted
+    (["0~linear~0~1", "100~linear~0~1"], {}),      # no such axis number
+    (["1~LIN~0~1", "1~linear~a~1", "1~linear~0~inf", "1~linear~0", "x"], {}),
+])
+def test_a_url_value_is_read_as_a_y_range_of_an_axis(values, want) -> None:  # noqa: ANN001
+    assert zoom.parse_y(values) == want
+
+
+def test_a_reported_view_is_written_back_as_it_reads() -> None:
+    got = zoom.y_text({"2": ["log", -3, -1.5], "1": ["linear", 5, 1], "4": ["linear", 0.25, 0.75]})
+    assert got == ["2~log~-3~-1.5", "4~linear~0.25~0.75"]            # the inverted range left out
+    assert zoom.parse_hidden(["fp8", "", "x" * 500]) == {"fp8"}
+
+
+def y_ranges(chart) -> dict:  # noqa: ANN001 - an AppTest plotly element
+    layout = json.loads(chart.proto.spec)["layout"]
+    return {k: (v.get("type"), v.get("range")) for k, v in layout.items() if k.startswith("yaxis")}
+
+
+def test_y_zooms_and_hidden_pools_in_the_url_are_drawn(monkeypatch, runs: DashboardRoot) -> None:
+    at = open_page(monkeypatch, runs.root, POOLS_PAGE, "fleet", pools_series_y="linear",
+                   pools_series_yr=["2~linear~0.001~0.002", "3~log~-3~-1"], pools_series_hide="fp8")
+    c = chart(at, "pools_series")
+    ys = y_ranges(c)
+    assert ys["yaxis2"] == (None, [0.001, 0.002])       # a linear axis, a range taken on one
+    assert ys["yaxis3"][1] is None                      # a log range is not drawn on a linear axis
+    assert all(r is None for k, (_, r) in ys.items() if k not in ("yaxis2",))
+    traces = json.loads(c.proto.spec)["data"]
+    hidden = {t.get("legendgroup") for t in traces if t.get("visible") == "legendonly"}
+    assert hidden == {"fp8"} and any(t.get("legendgroup") == "bf16" and "visible" not in t for t in traces)
