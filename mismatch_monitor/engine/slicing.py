@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 
 from ..batch import STANDARD_DIMENSIONS, TokenBatch
@@ -90,6 +91,12 @@ class Cells:
         return keys
 
 
+def label_column(uniques: np.ndarray, codes: np.ndarray) -> pd.api.extensions.ExtensionArray:
+    """The "string" column of ``uniques[codes]`` (a null unique stays null)."""
+    values = pa.array([None if pd.isna(u) else str(u) for u in uniques], pa.large_string())
+    return pd.arrays.ArrowStringArray(values.take(pa.array(codes)))
+
+
 def dimension_names(labels: dict[str, tuple[str, ...]]) -> list[str]:
     """The standard dimensions, then any extra ones in sorted order."""
     return list(STANDARD_DIMENSIONS) + sorted(set(labels) - set(STANDARD_DIMENSIONS))
@@ -121,26 +128,26 @@ def assign_cells(batch: TokenBatch, config: MetricConfig) -> Cells:
     code = code * n_len + length_bucket
     unique_codes, seq_cell = np.unique(code, return_inverse=True)
 
-    # decode the unique codes back to key columns
-    keys: dict[str, object] = {}
+    # decode the unique codes back to key columns: each label's few distinct values taken by
+    # code (no per-cell string conversion); a label the batch does not carry is all nulls
+    codes: dict[str, np.ndarray] = {}
     rest = unique_codes.copy()
     lower = bucket_lower_edges(config.length_edges)
-    keys[LENGTH_KEY] = lower[rest % n_len]
+    length_keys = lower[rest % n_len]
     rest //= n_len
     for dim in reversed(dims):
         if dim not in uniques:
             continue
-        uniq = uniques[dim]
-        keys[dim] = uniq[rest % len(uniq)]
-        rest //= len(uniq)
+        codes[dim] = rest % len(uniques[dim])
+        rest //= len(uniques[dim])
     columns = {}
     for dim in dims:
-        if dim in keys:
-            columns[dim] = pd.array(keys[dim], dtype="string")
+        if dim in codes:
+            columns[dim] = label_column(uniques[dim], codes[dim])
         else:
-            columns[dim] = pd.array([pd.NA] * len(unique_codes), dtype="string")
-    columns[LENGTH_KEY] = pd.array(keys[LENGTH_KEY], dtype="int64")
-    seq_keys = pd.DataFrame(columns)
+            columns[dim] = pd.arrays.ArrowStringArray(pa.nulls(len(unique_codes), pa.large_string()))
+    columns[LENGTH_KEY] = pd.array(length_keys, dtype="int64")
+    seq_keys = pd.DataFrame(columns, copy=False)
 
     has_turns = batch.turn_index is not None
     n_turn = len(config.turn_edges) + 1 if has_turns else 1
