@@ -92,7 +92,7 @@ def concat_batches(batches: Sequence[TokenBatch]) -> TokenBatch:
     return TokenBatch(
         trainer_logprobs=torch.cat([b.trainer_logprobs for b in batches]),
         sampler_logprobs=torch.cat([b.sampler_logprobs for b in batches]),
-        seq_index=torch.cat([b.seq_index + off for b, off in zip(batches, offsets)]),
+        seq_ids=torch.cat([b.seq_index + off for b, off in zip(batches, offsets)]),
         position_index=torch.cat([b.position for b in batches]),
         num_sequences=int(offsets[-1]),
         labels={d: tuple(v for b in batches for v in b.labels[d]) for d in first.labels},

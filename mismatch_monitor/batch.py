@@ -47,7 +47,9 @@ class TokenBatch:
 
     Attributes (N tokens, B sequences, L layers, K experts per token):
         trainer_logprobs, sampler_logprobs: ``[N]`` float, log pi and log mu of the sampled tokens.
-        seq_index: ``[N]`` int64, the sequence each token belongs to (0..B-1).
+        seq_index: ``[N]`` int64, the sequence each token belongs to (0..B-1) (a property: with
+            contiguous sequences it is built when first asked, since the compiled pass reads
+            ``seq_offsets`` instead; :meth:`sequences_of` for a few tokens).
         position: ``[N]`` int64, the token's position within its response (a property: with
             contiguous sequences it is computed when asked; :meth:`positions_of` for a few tokens).
         num_sequences: B.
@@ -63,11 +65,12 @@ class TokenBatch:
             (the padded and offsets layouts), else None; lets exemplars read one sequence's tokens.
         position_index: ``[N]`` int64 positions when sequences are not contiguous (``seq_ids``
             layout), else None.
+        seq_ids: ``[N]`` int64 sequence of every token as stored: given with the ``seq_ids``
+            layout, None with contiguous sequences until ``seq_index`` is first asked for.
     """
 
     trainer_logprobs: torch.Tensor
     sampler_logprobs: torch.Tensor
-    seq_index: torch.Tensor
     num_sequences: int
     labels: Mapping[str, tuple[str | None, ...]] = field(default_factory=dict)
     turn_index: torch.Tensor | None = None
@@ -81,6 +84,7 @@ class TokenBatch:
     token_ids: torch.Tensor | None = None
     seq_offsets: torch.Tensor | None = None
     position_index: torch.Tensor | None = None
+    seq_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # log-probs taken from the loss's forward require grad; the monitor only reads them, so
@@ -89,6 +93,22 @@ class TokenBatch:
             value = getattr(self, name)
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 object.__setattr__(self, name, value.detach())
+
+    @property
+    def seq_index(self) -> torch.Tensor:
+        """``[N]`` int64 sequence of every token (built from ``seq_offsets`` once, when asked)."""
+        if self.seq_ids is None:
+            if self.seq_offsets is None:
+                raise BatchError("a batch needs seq_ids or seq_offsets to know each token's sequence")
+            ids = repeat_ids(self.num_sequences, self.seq_offsets.diff(), self.num_tokens)
+            object.__setattr__(self, "seq_ids", ids)
+        return self.seq_ids
+
+    def sequences_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sequences of the tokens at flat indices ``tokens`` (reads only those)."""
+        if self.seq_ids is None and self.seq_offsets is not None:
+            return torch.searchsorted(self.seq_offsets, tokens, right=True) - 1
+        return self.seq_index[tokens]
 
     @property
     def position(self) -> torch.Tensor:
@@ -101,7 +121,7 @@ class TokenBatch:
             return self.position_index[tokens]
         if self.seq_offsets is None:
             raise BatchError("a batch needs seq_offsets or position_index to know positions")
-        return tokens - self.seq_offsets[self.seq_index[tokens]]
+        return tokens - self.seq_offsets[self.sequences_of(tokens)]
 
     @property
     def num_tokens(self) -> int:
@@ -166,7 +186,6 @@ class TokenBatch:
         return cls._build(
             trainer_logprobs=rows.select(trainer_logprobs),
             sampler_logprobs=rows.select(sampler_logprobs),
-            seq_index=rows.seq_index,
             num_sequences=B,
             seq_offsets=rows.offsets,
             labels=labels,
@@ -233,8 +252,8 @@ class TokenBatch:
             if bool((lengths < 0).any()):
                 raise BatchError("expected non-decreasing seq_offsets")
             B = offsets.numel() - 1
-            seq_index = repeat_ids(B, lengths)
-            position = None                      # contiguous sequences: computed when asked
+            seq_index = None                     # contiguous sequences: built when asked
+            position = None
         else:
             check_int("seq_ids", seq_ids)
             if seq_ids.shape != trainer_logprobs.shape:
@@ -267,7 +286,7 @@ class TokenBatch:
         return cls._build(
             trainer_logprobs=trainer_logprobs,
             sampler_logprobs=sampler_logprobs,
-            seq_index=seq_index,
+            seq_ids=seq_index,
             position_index=position,
             num_sequences=B,
             seq_offsets=offsets if seq_offsets is not None else None,

@@ -5,8 +5,8 @@ per step, so this runs every step before the engine. Torch's boolean-mask select
 ``nonzero`` are single-threaded and slow on the CPU (8M slots: ~0.1-0.2 s each, a
 ``bool.sum(1)`` as much), several times the engine's own pass. numpy's boolean select and
 ``count_nonzero`` do the same work in a fraction of that, so CPU tensors go through numpy views
-of the same memory; the sequence index is the row number repeated once per selected slot, read
-from the row lengths rather than from the positions of the mask. Tokens keep row-major order
+of the same memory; the sequence of each token follows from the row lengths (``seq_offsets``), not from the
+positions of the mask, and is built only when something asks for it. Tokens keep row-major order
 either way, so every layout gives the same flat tensors, bit for bit.
 """
 
@@ -19,12 +19,13 @@ import torch
 _VIEWS = {torch.bfloat16: torch.int16}
 
 
-def repeat_ids(B: int, lengths: torch.Tensor) -> torch.Tensor:
-    """[N] int64: sequence b repeated lengths[b] times. On the CPU numpy's ``repeat`` is ~2x
-    faster than ``torch.repeat_interleave`` (8M tokens: 30 ms against 59)."""
+def repeat_ids(B: int, lengths: torch.Tensor, N: int) -> torch.Tensor:
+    """[N] int64: sequence b repeated lengths[b] times (N = their sum). On the CPU numpy's
+    ``repeat`` is ~2x faster than ``torch.repeat_interleave`` (8M tokens: 30 ms against 59); on
+    a device the known N spares the wait for the output's size."""
     if lengths.device.type == "cpu":
         return torch.from_numpy(np.repeat(np.arange(B, dtype=np.int64), lengths.numpy()))
-    return torch.repeat_interleave(torch.arange(B, device=lengths.device), lengths)
+    return torch.repeat_interleave(torch.arange(B, device=lengths.device), lengths, output_size=N)
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray | None:
@@ -41,8 +42,8 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray | None:
 class PaddedRows:
     """The rows of a ``[B, T]`` response mask: which slots are tokens, and where each row starts.
 
-    ``lengths`` ``[B]`` int64 tokens per row, ``offsets`` ``[B + 1]`` their cumulative sum,
-    ``seq_index`` ``[N]`` int64 the row of each token, in row-major order."""
+    ``lengths`` ``[B]`` int64 tokens per row, ``offsets`` ``[B + 1]`` their cumulative sum (the
+    row of each token, in row-major order, follows from them: ``TokenBatch.seq_index``)."""
 
     def __init__(self, mask: torch.Tensor) -> None:
         self.mask = mask                                  # [B, T] bool
@@ -56,7 +57,6 @@ class PaddedRows:
         else:
             self.lengths = mask.sum(1, dtype=torch.int64)
         self.offsets = torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
-        self.seq_index = repeat_ids(B, self.lengths)
 
     def select(self, t: torch.Tensor) -> torch.Tensor:
         """``t[mask]``: ``[B, T, ...]`` -> ``[N, ...]``, the same values in the same order."""
@@ -74,7 +74,9 @@ def _single_runs(mask: np.ndarray, lengths: np.ndarray) -> list[tuple[int, int, 
     """(row, first slot, end) of each row when every non-empty row's tokens are one run of
     consecutive slots (a response mask usually is: prompt padding, response, end padding), else
     None. A row's run starts at its first token (``argmax`` of a bool row stops there) and holds
-    ``lengths[b]`` slots, every one a token; with ``lengths[b]`` tokens in the row, those are all."""
+    ``lengths[b]`` slots, every one a token; with ``lengths[b]`` tokens in the row, those are all.
+    (Finding each row's last token instead, from a reversed ``argmax``, is slower: numpy scans a
+    reversed row to its end.)"""
     first = mask.argmax(1)
     runs = [(b, f, f + n) for b, (f, n) in enumerate(zip(first.tolist(), lengths.tolist())) if n]
     if not runs or not _concat([mask[b, f:e] for b, f, e in runs], mask).all():

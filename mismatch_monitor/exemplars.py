@@ -169,7 +169,7 @@ def select_exemplars(batch: TokenBatch, k: int, config: MetricConfig | None = No
     lr, valid = _log_ratio(batch, config, cand)
     top = torch.topk(torch.where(valid, lr.abs(), -1.0), min(k, cand.numel()))
     tok = cand[top.indices[top.values >= 0]]
-    seq_of_tok = batch.seq_index[tok].cpu().numpy()
+    seq_of_tok = batch.sequences_of(tok).cpu().numpy()
     t = batch.trainer_logprobs[tok].to(torch.float64).cpu().numpy()
     s = batch.sampler_logprobs[tok].to(torch.float64).cpu().numpy()
     tokens = {

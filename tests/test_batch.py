@@ -148,6 +148,23 @@ def test_flat_offsets_positions_of_a_few_tokens_match_every_position():
     assert b.positions_of(torch.tensor([6, 0, 4])).tolist() == [3, 0, 1]
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_contiguous_sequences_build_no_per_token_ids_unless_asked(kernel):
+    # the compiled pass reads the offsets, so the [N] ids are not built for it; the torch
+    # pass and a few tokens' lookups still get the right sequences
+    mask = torch.tensor([[1, 1, 0, 0, 0], [0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]])
+    s = -torch.rand(4, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64) - 0.1
+    b = TokenBatch.from_padded(s + 1e-3, s, mask, labels={"pool": ["a", "b", "a", "c"]})
+    assert b.seq_ids is None
+    stats = compute_stats(b, MetricConfig(kernel=kernel))
+    assert (b.seq_ids is None) == (kernel == "native")
+    assert int(stats.tables["tokens"]["n_tokens"].sum()) == 6
+    assert b.sequences_of(torch.tensor([5, 0, 2, 4])).tolist() == [3, 0, 1, 1]
+    assert b.seq_ids is None or kernel == "torch"
+    assert b.seq_index.tolist() == [0, 0, 1, 1, 1, 3]
+    assert b.positions_of(torch.tensor([5, 4])).tolist() == [0, 2]
+
+
 def test_flat_seq_ids_in_any_order_get_positions_by_appearance():
     ids = torch.tensor([1, 0, 1, 2, 0, 1])
     b = TokenBatch.from_flat(**flat(n=6, seq_offsets=None, seq_ids=ids, num_sequences=4))

@@ -41,7 +41,7 @@ def test_an_int32_seq_index_is_refused_naming_the_array():
     # dataclasses.replace skips TokenBatch's constructors; the loop reads 8 bytes per id, so an
     # int32 index would be read as 8N bytes of a 4N buffer
     batch = make_case(2, num_sequences=6).batch("seq_ids")          # ids read token by token
-    bad = dataclasses.replace(batch, seq_index=batch.seq_index.to(torch.int32))
+    bad = dataclasses.replace(batch, seq_ids=batch.seq_index.to(torch.int32))
     with pytest.raises(TypeError, match=r"seq_index as a contiguous CPU torch.int64 .*got torch.int32"):
         compute_stats(bad, NATIVE)
     too_short = dataclasses.replace(batch, turn_index=batch.turn_index[:-1])

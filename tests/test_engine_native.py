@@ -187,12 +187,15 @@ def test_ids_out_of_range_raise_instead_of_reading_past_the_arrays():
     # collector catches) instead of reading memory past its tables
     import dataclasses
 
-    batch = make_case(2, num_sequences=5).batch("offsets")
-    for bad in (dataclasses.replace(batch, seq_index=batch.seq_index.clone().fill_(batch.num_sequences)),
-                dataclasses.replace(batch, seq_index=batch.seq_index.clone().fill_(-1)),
-                dataclasses.replace(batch, turn_index=batch.turn_index.clone().fill_(-3))):
+    batch = make_case(2, num_sequences=5).batch("seq_ids")         # ids read token by token
+    offsets = make_case(2, num_sequences=5).batch("offsets")
+    for bad in (dataclasses.replace(batch, seq_ids=batch.seq_index.clone().fill_(batch.num_sequences)),
+                dataclasses.replace(offsets, turn_index=offsets.turn_index.clone().fill_(-3))):
         with pytest.raises(IndexError, match="out of range|expected seq_index"):
             compute_stats(bad, NATIVE)
+    # a negative id stops at the sequence lengths' bincount, before any pass
+    with pytest.raises(RuntimeError, match="non-negative"):
+        compute_stats(dataclasses.replace(batch, seq_ids=batch.seq_index.clone().fill_(-1)), NATIVE)
     # the compiled pass's own check of ids it reads per token (tokens in batch order), past
     # the engine's other uses of the ids
     batch = make_case(2, num_sequences=5).batch("seq_ids")

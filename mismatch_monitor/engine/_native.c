@@ -170,6 +170,7 @@ static inline __attribute__((always_inline)) int fill_block(const TokenParams *p
                 b->sc[k + i] = sc;
             }
         } else {
+            if (!seq) return 0;                   /* no per-token ids to read */
             const int64_t *restrict ids = seq + *at;
             for (int64_t i = 0; i < take; i++) bad |= (uint64_t)ids[i] >= (uint64_t)p->n_seq;
             if (bad) return 0;

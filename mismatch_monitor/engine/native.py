@@ -165,15 +165,18 @@ class TokenKernel:
             series=_ptr(series), n_series=len(series), n_seq=n_seq, n_cells=n_seq_cells * n_turn + 1)
         return cls(params, keep, n_seq_cells)
 
-    def run(self, ranges: np.ndarray, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor,
+    def run(self, ranges: np.ndarray, t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor | None,
             turn: torch.Tensor | None, seq_cell: torch.Tensor, turn_table: torch.Tensor | None, acc) -> int:
         """The tokens of ``ranges`` ([n, 3] int64 rows (start, stop, sequence), or sequence -1 for
-        a range whose ids are read from ``seq``; see :func:`sequence_ranges`) of the whole-batch
+        a range whose ids are read from ``seq``, which may be None when no range is; see
+        :func:`sequence_ranges`) of the whole-batch
         tensors into the accumulators ``acc`` (token_pass.TokenAccumulators, ``abs_hist``
         int32 here). Every array is checked against the layout the loop reads (boundary.py)."""
         # float16 widened, strided views copied: the arrays passed are these, alive to the call's end
         t, s = _float(t), _float(s)
-        seq = seq.contiguous()
+        seq = None if seq is None else seq.contiguous()
+        if seq is None and len(ranges) and (ranges[:, 2] < 0).any():
+            raise ValueError(f"{_WHERE}: a range without a sequence needs the per-token seq_index")
         turn = None if turn is None else turn.contiguous()
         N = t.numel()
         call = TokenPass(version=ABI_VERSION, params=ctypes.pointer(self.params))
@@ -195,13 +198,13 @@ class TokenKernel:
         return valid
 
     @staticmethod
-    def _inputs(t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor, turn: torch.Tensor | None, N: int
+    def _inputs(t: torch.Tensor, s: torch.Tensor, seq: torch.Tensor | None, turn: torch.Tensor | None, N: int
                 ) -> tuple[int, int, int, int | None]:
         """Addresses of the batch's [N] inputs."""
         floats = tuple(_DTYPES)
         return (checked(_WHERE, "trainer_logprobs", t, floats, (N,)),
                 checked(_WHERE, "sampler_logprobs", s, floats, (N,)),
-                checked(_WHERE, "seq_index", seq, (torch.int64,), (N,)),
+                checked(_WHERE, "seq_index", seq, (torch.int64,), (N,), optional=True),
                 checked(_WHERE, "turn_index", turn, (torch.int64,), (N,), optional=True))
 
     def _ranges(self, ranges: np.ndarray, N: int) -> int:

@@ -104,9 +104,12 @@ def _native_pass(batch: TokenBatch, cells: Cells, p: Plan, chunk: int, workers: 
         jobs = [(acc, sequence_ranges(bounds[i], bounds[i + 1], offsets, seq_cell))
                 for i, acc in enumerate(accs)]
 
+    # with offsets every range names its sequence: the per-token ids are neither read nor built
+    seq = None if offsets is not None else batch.seq_index
+
     def run(job: tuple[TokenAccumulators, np.ndarray]) -> None:
         acc, part = job
-        p.kernel.run(part, batch.trainer_logprobs, batch.sampler_logprobs, batch.seq_index, batch.turn_index,
+        p.kernel.run(part, batch.trainer_logprobs, batch.sampler_logprobs, seq, batch.turn_index,
                      cells.seq_cell, p.turn_table, acc)
 
     if len(jobs) == 1:
