@@ -169,7 +169,8 @@ class TokenBatch:
                      trainer_experts=trainer_experts, sampler_experts=sampler_experts,
                      in_trainer_support=in_trainer_support,
                      sampler_kept_logmass=sampler_kept_logmass, token_ids=token_ids)
-        mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+        # a cast is the same test as != 0 (NaN included) at half its time on an integer mask
+        mask = response_mask.to(torch.bool)
         B, T = trainer_logprobs.shape
         rows = PaddedRows(mask)            # row-major: tokens stay in sequence order
 
