@@ -100,10 +100,6 @@ class JointBins:
     def abs_lr(self) -> np.ndarray:
         return (self.sums["lr"] * self.sign).sum(2)          # [C, NL]
 
-    def rho(self) -> np.ndarray:
-        """sum rho per (cell, lowprob, region): n + sum(rho - 1 - lr) + sum lr, exactly."""
-        return self.n + self.sums["k3"] + self.sums["lr"]
-
 
 def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config: MetricConfig,
                 dims: list[str], routing: Mapping[str, np.ndarray] | None) -> dict[str, object]:
@@ -117,8 +113,9 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
 
     cap = config.tis_cap
     below = r <= regions.at_most(cap)                         # regions with rho <= cap
-    rho = joint.rho().sum(1)                                  # [C, R]
-    rho2 = joint.sums["rho2"].sum(1)
+    by_region = {name: v.sum(1) for name, v in joint.sums.items()}   # [C, R] each
+    rho = reg + by_region["k3"] + by_region["lr"]             # sum rho = n + sum(rho - 1 - lr) + sum lr
+    rho2 = by_region["rho2"]
     n_above = count(~below)
     lo_i, hi_i = config.icepop_band
     ex_lo, ex_hi = config.extreme_band
@@ -127,7 +124,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
     empty = n_tokens == 0
     min_lr = np.where(empty, np.nan, np_(acc.min_lr[:C]))
     max_lr = np.where(empty, np.nan, np_(acc.max_lr[:C]))
-    total = {name: s.sum((1, 2)) for name, s in joint.sums.items()}
+    total = {name: v.sum(1) for name, v in by_region.items()}
     data: dict[str, object] = dict(keys)
     data.update({
         "n_tokens": n_tokens,
@@ -135,7 +132,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
         "n_positive_logprob": np_(acc.n_positive[:C]),
         "n_lr_zero": np_(acc.n_lr_zero[:C]),
         **probability_sums(acc, C, empty),
-        "sum_lr": total["lr"], "sum_lr2": total["lr2"], "sum_abs_lr": joint.abs_lr().sum(1),
+        "sum_lr": total["lr"], "sum_lr2": total["lr2"], "sum_abs_lr": (by_region["lr"] * joint.sign).sum(1),
         "sum_k3": total["k3"], "sum_exp_abs_lr": total["exp_abs"], "sum_rho": rho.sum(1),
         "sum_rho2": total["rho2"],
         "sum_rho_capped": rho[:, below].sum(1) + cap * n_above,
