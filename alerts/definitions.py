@@ -177,6 +177,9 @@ STEP_JUMP = AlertRule(
     name="MismatchStepJump",
     condition=StepJump("mismatch/k3_kl", TOKENS, "mismatch/abs_log_ratio/p90", "mismatch/abs_log_ratio/p99",
                        factor=10.0, z=Z_COUNTS, floor=1e-4, baseline_steps=5),
+    # two steps: a sync that did not apply stays wrong until a resync; a one-prompt pool's step whose
+    # prompt routes near a tie moves every sequence of that step and is gone at the next (docs/ALERTS.md)
+    for_steps=1,
     severity="critical",
     resync=True,
     fix="resync",
@@ -184,8 +187,9 @@ STEP_JUMP = AlertRule(
     description=("The k3 estimate of KL(mu||pi) in pool {pool} is {value} times its token-pooled value over the "
                  "{window} steps before (threshold {threshold}x; one earlier step is enough), and the jump is carried "
                  "by many tokens: the step's p90 |log ratio| is above the largest p99 of those steps, more tokens "
-                 "above it than the baseline explains (z > {z}). A weight sync or a resume that went wrong shows "
-                 "at the step after it; one outlying token does not."),
+                 "above it than the baseline explains (z > {z}), for {held} steps. A weight sync or a resume that went "
+                 "wrong shows at the step after it and stays until a resync; one outlying token, or one prompt's "
+                 "excursion in a pool that samples few prompts, does not."),
     runbook=("A one-step jump right after a weight sync or a resume is a sync that did not apply: weights "
              "not loaded, the wrong version, a prefix cache that kept the old weights' KV. Resynchronise the "
              "pool (on_resync); if the jump stays after the resync, the cause is numeric, not lag: check the "

@@ -17,6 +17,10 @@ bounds it from above (:mod:`.significance`), so the test errs on the quiet side,
 whose sizes could never pass it are "not enough tokens" (undecided). Quantiles are histogram
 bins: a p90 in a higher bin than ``edge`` lies above it exactly.
 
+The rule holds it two steps (``for_steps=1`` in ``definitions.py``): a sync that did not apply
+stays until a resync, while a pool that samples one prompt a step can move as a whole for one
+step (docs/ALERTS.md has the measurements).
+
 While firing, the alert's value is k3 over its last value before the jump (the value at the
 last step its alert was inactive, at most ``memory_steps`` back); it stays firing while that
 ratio is ``sqrt(factor)`` or more, so a fault that persists is one firing.

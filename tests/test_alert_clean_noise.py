@@ -48,12 +48,13 @@ def test_one_outlying_token_is_no_step_jump_but_a_broad_one_is():
     # one token with |lr| = 0.9 makes k3 jump 20x; p90 does not move (the sample run's bf16 steps 54, 95, 97)
     single = pool_history(60, 0, **{"mismatch__k3_kl": ([20, 40], 5e-3), "mismatch__log_ratio__max": ([20, 40], 0.9)})
     assert fired(single, STEP_JUMP) == []
-    # a sync that loads the wrong weights: the whole distribution moves; caught at its step from
-    # step 2 on (at step 1, one earlier step of ~220 tokens is too few for the token test: undecided)
+    # a sync that loads the wrong weights: the whole distribution moves and stays; caught one step
+    # after its onset (the jump holds two steps) from onset 2 on (at step 1, one earlier step of
+    # ~220 tokens is too few for the token test: undecided)
     for onset in (2, 30):
         broad = pool_history(60, 1, **{"mismatch__k3_kl": (range(onset, 60), 1e-2),
                                        "mismatch__abs_log_ratio__p90": (range(onset, 60), 0.4)})
-        assert fired(broad, STEP_JUMP) == [onset]
+        assert fired(broad, STEP_JUMP) == [onset + 1]
     evaluator, _ = AlertEvaluator.replay(pool_history(2, 1), rules=(STEP_JUMP,))
     assert evaluator.undecided_counts()[(STEP_JUMP.name, "bf16")] == 2
 
