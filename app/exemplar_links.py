@@ -37,15 +37,37 @@ def worst_steps_markdown(run: str, steps: pd.DataFrame, n: int = 5) -> str:
     return " · ".join(links)
 
 
-def clickable(fig: go.Figure, series: pd.DataFrame) -> go.Figure:
+BINNED_HOVER = "steps {lo}–{hi} · a click opens the step of this pool's worst stored token among them"
+
+
+def clickable(fig: go.Figure, series: pd.DataFrame, width: int = 1) -> go.Figure:
     """Small markers on the lines of each pool of ``series``: plotly selects (clicks) points of
-    traces with markers only."""
+    traces with markers only. In bins of ``width`` > 1 steps, each point's hover names its bin's
+    steps and which of them a click opens (:func:`worst_in_bin`)."""
     pools = {label(p) for p in series["pool"].drop_duplicates()}
     for trace in fig.data:
-        if getattr(trace, "legendgroup", None) in pools and trace.mode == "lines":
+        group = getattr(trace, "legendgroup", None)
+        if group not in pools:
+            continue
+        if trace.mode == "lines":
             trace.mode = "lines+markers"
             trace.marker.size = 3
+        if width > 1:
+            starts = series.loc[series["pool"].map(label) == group, "step"].sort_values().astype("int64")
+            if len(starts) == len(trace.x if trace.x is not None else ()):
+                trace.text = [BINNED_HOVER.format(lo=b, hi=b + width - 1) for b in starts]
+                template = trace.hovertemplate or f"{trace.name}: %{{y}}<extra></extra>"
+                trace.hovertemplate = template.replace("<extra>", "<br>%{text}<extra>", 1)
     return fig
+
+
+def worst_in_bin(steps: pd.DataFrame, start: int, width: int) -> int | None:
+    """The step of bin [start, start + width) whose largest stored |log ρ| is the largest
+    (``exemplar_steps``' frame, of the clicked pool); None when none of its steps holds one."""
+    inside = steps[(steps["step"] >= start) & (steps["step"] < start + width)]
+    if not len(inside):
+        return None
+    return int(inside.loc[inside["max_abs_log_ratio"].idxmax(), "step"])
 
 
 def clicked(points: Iterable[Mapping[str, Any]], series: pd.DataFrame, x: XAxis) -> tuple[int, str | None] | None:

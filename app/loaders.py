@@ -250,9 +250,11 @@ def run_series(con: Con, run_dir: Path, *, window: int | None, max_points: int, 
 
 
 def exemplars(con: Con, run_dir: Path, *, window: int | None, max_points: int, step: int | None = None,
-              k: int = 16) -> Frames:
+              k: int = 16, pool: str | None = None) -> Frames:
+    """The steps holding exemplars (with ``pool``: those of that pool's tokens), and with ``step``
+    its worst ``k`` tokens and sequences."""
     out, span = _start(con, run_dir, window, max_points)
-    steps = query.exemplar_steps(con, run_dir)
+    steps = query.exemplar_steps(con, run_dir, pool=pool)
     out["exemplar_steps"] = steps
     if step is None:
         return out

@@ -18,6 +18,17 @@ def open_exemplars(step: int, pool: str | None) -> None:
         st.session_state.pop(key, None)
     st.switch_page("page_exemplars.py", query_params=exemplar_links.params(view.run_name, step, pool))
 
+def target_step(target: tuple[int, str | None], width: int) -> tuple[int, str | None]:
+    """A clicked (bin, pool) as the step to open: in bins of several steps, the bin's step with
+    the pool's worst stored token (the bin's first step when none of them holds one)."""
+    start, pool = target
+    if width <= 1:
+        return start, pool
+    steps = data.load("exemplars", view.run_dir, **view.params, pool=pool)["exemplar_steps"]
+    worst = exemplar_links.worst_in_bin(steps, start, width)
+    return (start if worst is None else worst), pool
+
+
 if layout.page_header("Pools", view, "Each sampler pool against the others: its metrics over steps, and "
                       "its share of the samples against its share of the extreme-ratio tokens."):
     metrics = st.multiselect("Metrics", list(METRIC_BY_KEY), default=list(loaders.POOL_DEFAULT),
@@ -59,12 +70,13 @@ if layout.page_header("Pools", view, "Each sampler pool against the others: its 
             scale = layout.scale_control("pools_series")
             fig = figures.small_multiples(d["series"], list(metrics), titles, group="pool", x=view.x,
                                           smoothing=view.smoothing, width=span.width, y_scale=scale)
-            points = layout.chart(exemplar_links.clickable(fig, d["series"]), key="pools_series",
+            points = layout.chart(exemplar_links.clickable(fig, d["series"], span.width), key="pools_series",
                                   events=layout.marks(view, span), clicks=True)
-            st.caption("Click a point to open the exemplars of its step and pool.")
+            st.caption("Click a point to open the exemplars of its step and pool"
+                       + (" (of a bin: its step with the pool's worst stored token)." if span.width > 1 else "."))
             target = exemplar_links.clicked(points, d["series"], view.x)
             if target is not None:
-                open_exemplars(*target)
+                open_exemplars(*target_step(target, span.width))
         ex = data.load("exemplars", view.run_dir, **view.params)["exemplar_steps"]
         if len(ex):
             st.markdown("Exemplars of the steps with the largest |log ρ|: "
