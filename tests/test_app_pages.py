@@ -189,7 +189,7 @@ def test_alerts_page_counts_every_event_and_resync(monkeypatch, runs: DashboardR
 
 def test_exemplars_page_ranks_the_worst_token_of_the_step_first(monkeypatch, runs: DashboardRoot) -> None:
     step = 12
-    at = open_page(monkeypatch, runs.root, PAGE["exemplars"], "fleet", ex_step=str(step))
+    at = open_page(monkeypatch, runs.root, PAGE["exemplars"], "fleet", step=str(step))
     frame, _ = token_frame(runs.fleet.cases[step], CONFIG)
     tokens = at.dataframe[0].value
     assert tokens["abs log ratio"].iloc[0] == pytest.approx(np.nanmax(np.abs(frame["lr"])), rel=1e-12)

@@ -6,6 +6,7 @@ Runtime: about 20 s (server start ~5 s, one page visit).
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Iterator
@@ -132,3 +133,66 @@ def test_clicking_a_point_of_the_pools_series_opens_its_step_and_pool(server: st
     stored = {round(v, 9) for (v,) in duckdb.sql(
         f"select abs_log_ratio from read_parquet('{files}') where step = {step} and pool = '{pool}'").fetchall()}
     assert stored and spans and {round(v, 9) for v in spans} <= stored   # that step's and pool's tokens
+
+
+# what a selectbox of the Exemplars page shows chosen, by its widget key
+CHOSEN = """key => { const e = document.querySelector(`.st-key-${key} input[role="combobox"]`);
+  return e ? e.value.trim() : null; }"""
+
+
+def _options(page, key: str) -> list[str]:  # noqa: ANN001
+    """The options selectbox ``key`` offers (its list opened and closed again)."""
+    page.locator(f".st-key-{key} button[aria-label='Open']").click()
+    page.locator('[role="option"]').first.wait_for(timeout=30_000)
+    texts = page.locator('[role="option"]').all_inner_texts()
+    page.keyboard.press("Escape")
+    return [t.strip() for t in texts]
+
+
+def _pick(page, key: str, option: str) -> None:  # noqa: ANN001
+    """A user's choice of ``option`` (its shown text) in selectbox ``key``."""
+    page.locator(f".st-key-{key} button[aria-label='Open']").click()
+    page.locator('[role="option"]', has_text=option).first.click()
+    page.wait_for_function(f"() => ({CHOSEN})({key!r}) === {option!r}", timeout=60_000)
+    wait_drawn(page)
+
+
+def test_a_copied_exemplars_url_reopens_the_same_choices(server: str, root: Path) -> None:
+    """Step, pool and sequence chosen in the page (none the page's default: the last step, every
+    pool, the worst sequence) are in the URL, and that URL opened in a new session shows them."""
+    files = str(root / RUN.name / "exemplar_tokens" / "*.parquet")
+    step = duckdb.sql(f"select distinct step from read_parquet('{files}') order by step").fetchall()[5][0]
+    with sync_api.sync_playwright() as pw:
+        b, page = _browser_page(pw)
+        page.goto(f"{server}/exemplars?run={RUN.name}&refresh=off&ex_k=64")
+        wait_drawn(page)
+        page.locator(".st-key-ex_step input").fill(str(step))
+        page.locator(".st-key-ex_step input").press("Enter")
+        page.wait_for_function(f"() => document.body.innerText.includes('Tokens of a sequence at step {step}')",
+                               timeout=60_000)
+        wait_drawn(page)
+        pool = _options(page, "ex_pool")[-1]
+        _pick(page, "ex_pool", pool)
+        seq = _options(page, "ex_seq")[-1]
+        _pick(page, "ex_seq", seq)
+        number = int(seq.split()[1])
+        page.wait_for_url(re.compile(rf"[?&]seq={number}(&|$)"), timeout=30_000)
+        url = page.url
+        chosen = {k: page.evaluate(CHOSEN, k) for k in ("ex_pool", "ex_seq")}
+        tokens = page.locator(".mm-token").evaluate_all("els => els.map(e => Number(e.dataset.absLr))")
+        fresh = b.new_context(viewport={"width": 1400, "height": 2000}).new_page()   # a new session
+        fresh.goto(url)
+        wait_drawn(fresh)
+        fresh.locator(".mm-token").first.wait_for(timeout=60_000)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        fresh.screenshot(path=str(ARTIFACTS / "exemplars_copied_url.png"), full_page=True)
+        reopened = {k: fresh.evaluate(CHOSEN, k) for k in ("ex_pool", "ex_seq")}
+        again = fresh.locator(".mm-token").evaluate_all("els => els.map(e => Number(e.dataset.absLr))")
+        step_shown = fresh.locator(".st-key-ex_step input").input_value()
+        b.close()
+    assert f"step={step}" in url and f"pool={pool}" in url, url
+    assert chosen == {"ex_pool": pool, "ex_seq": seq} and pool != "(every pool)"
+    assert reopened == chosen and step_shown == str(step), (reopened, step_shown)
+    stored = {round(v, 9) for (v,) in duckdb.sql(f"""select abs_log_ratio from read_parquet('{files}')
+        where step = {step} and pool = '{pool}' and seq_index = {number}""").fetchall()}
+    assert tokens and again == tokens and {round(v, 9) for v in tokens} <= stored   # that sequence's
