@@ -149,17 +149,19 @@ class Marks:
     x: XAxis
     opacity: float = 0.6
     run_events: pd.DataFrame | None = None   # weight syncs, resumes, resyncs (``query.events``)
+    at: timeline.Position | None = None      # where an event is drawn, if not at its step bin
+    group: str | None = None                 # the run marked, on a chart of several runs
 
 
 def marks(view: View, span: Span, run_dir: Path | None = None, opacity: float = 0.6, *,
-          alerts: bool = True) -> Marks:
+          alerts: bool = True, at: timeline.Position | None = None, group: str | None = None) -> Marks:
     """The annotation layer of a page's time-series charts: the run's (``run_dir``, default the
     view's) alert events and resync triggers (unless ``alerts`` is False: a chart that marks them
     itself), and its weight syncs, resumes and resyncs. A run written before its log of events
-    has none: its charts are drawn as before."""
+    has none: its charts are drawn as before. ``at`` and ``group``: see ``timeline.annotate``."""
     d = data.load("alerts", run_dir or view.run_dir, **view.params)
     events = d["events"] if alerts else d["events"].iloc[:0]
-    return Marks(events, span, view.x, opacity, d["run_events"])
+    return Marks(events, span, view.x, opacity, d["run_events"], at, group)
 
 
 def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = None,
@@ -170,7 +172,7 @@ def chart(fig: go.Figure, key: str, events: Marks | Sequence[Marks] | None = Non
     (dicts with ``x``, ``y``, ``legendgroup``; none otherwise); a drag still zooms."""
     for m in [events] if isinstance(events, Marks) else (events or []):
         timeline.annotate(fig, m.events, x=m.x, first=m.span.origin, width=m.span.width, opacity=m.opacity,
-                          run_events=m.run_events)
+                          run_events=m.run_events, at=m.at, group=m.group)
         x = x or m.x
     if x is not None:
         zoom.keep(fig, key, x)

@@ -48,14 +48,18 @@ if layout.page_header("Several runs", view, "Any number of runs, one line per ru
 
     def body() -> None:
         group_of = several_runs.groups(infos, field)
-        series, rows, width = {}, [], 1
+        series, rows, width, marks = {}, [], 1, []
         for name, info in infos.items():
-            d = data.load("run_series", resolve_run(view.root, name), **view.params, metric=metric)
+            run_dir = resolve_run(view.root, name)
+            d = data.load("run_series", run_dir, **view.params, metric=metric)
             span, index = d["span"], d["index"]
             frame = d.get("series", pd.DataFrame({"step": [], "wall_time": [], "pool": [], metric: []}))
             start = info.get("started_at") or (float(index["wall_time"].min()) if len(index) else None)
-            series[name] = frame.assign(x=several_runs.relative_x(
-                frame, mode, first_step=int(index["step"].min()) if len(index) else None, started_at=start))
+            first = int(index["step"].min()) if len(index) else None
+            series[name] = frame.assign(x=several_runs.relative_x(frame, mode, first_step=first, started_at=start))
+            if span is not None:   # the run's alert and sync marks, on its own x
+                marks.append(layout.marks(view, span, run_dir, group=name, at=several_runs.marks_at(
+                    mode, origin=span.origin, width=span.width, first_step=first, started_at=start)))
             width = max(width, span.width if span is not None else 1)
             rows.append({"run": name, **({field: group_of[name]} if group_of[name] else {}),
                          "status": status.get(name, "?"), "started": layout.when(info.get("started_at"))})
@@ -68,8 +72,9 @@ if layout.page_header("Several runs", view, "Any number of runs, one line per ru
             return
         fig = several_runs.overlay(series, metric, metric_label=layout.metric_label(metric), group_of=group_of,
                                    x_title=several_runs.x_axis_title(mode, width), y_scale=scale)
-        layout.chart(fig, key="runs_overlay", x="step")
-        st.caption("One panel per pool, one line per run; runs of one group share a colour and differ by dash.")
+        layout.chart(fig, key="runs_overlay", events=marks, x="step")
+        st.caption("One panel per pool, one line per run; runs of one group share a colour and differ by dash. "
+                   + layout.MARKS_CAPTION)
         st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
 
     layout.live(body, view)

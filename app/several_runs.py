@@ -6,7 +6,7 @@ pool. Plain functions (no Streamlit), tested directly.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -73,6 +73,17 @@ def relative_x(series: pd.DataFrame, mode: str, *, first_step: int | None,
     if mode == "seconds since start":
         return series["wall_time"].astype("float64") - float(started_at or 0.0)
     return series["step"]
+
+
+def marks_at(mode: str, *, origin: int, width: int, first_step: int | None,
+             started_at: float | None) -> Callable[[pd.DataFrame], pd.Series]:
+    """Where a run's alert and run events (frames with ``step`` and ``wall_time``) are drawn on
+    the overlay: in steps, at the bin each falls in (bins of ``width`` from ``origin``, as the
+    run's series), counted as :func:`relative_x` counts; in seconds, at the event's own time."""
+    def at(frame: pd.DataFrame) -> pd.Series:
+        bins = origin + (frame["step"].astype("int64") - origin) // width * width
+        return relative_x(frame.assign(step=bins), mode, first_step=first_step, started_at=started_at)
+    return at
 
 
 def x_axis_title(mode: str, width: int = 1) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import numpy as np
 import pandas as pd
@@ -121,6 +122,7 @@ RUN_EVENT_STYLE: dict[str, tuple[str, str, float, str]] = {
     "weight_sync": ("#555555", "solid", 1.5, "rug"),
 }
 RUG_HEIGHT = 0.04   # of the figure's height
+Position = Callable[[pd.DataFrame], pd.Series]   # an event frame's rows -> their x on a chart
 
 
 def _bins(frame: pd.DataFrame, x: XAxis, first: int, width: int) -> pd.Series:
@@ -135,22 +137,26 @@ def _path(xs: pd.Series, y0: float, y1: float) -> str:
 
 
 def annotate(fig: go.Figure, events: pd.DataFrame, *, x: XAxis = "step", first: int = 0,
-             width: int = 1, opacity: float = 0.6, run_events: pd.DataFrame | None = None) -> go.Figure:
+             width: int = 1, opacity: float = 0.6, run_events: pd.DataFrame | None = None,
+             at: Position | None = None, group: str | None = None) -> go.Figure:
     """The shared annotation layer of every time-series chart, at the step bin each event falls
     in: a vertical line at each alert firing (red), resolution (green, dotted) and resync
     trigger (purple, dashed); and of the run's own log (``run_events``), each resync (purple),
     resync request (purple, dashed), resume (black, dash-dot) and, as ticks at the foot of the
     chart, each weight sync (grey). One path per kind and column of subplots: the lines are
-    layout shapes (they never stretch the axes, a log axis keeps its range), drawn at once."""
+    layout shapes (they never stretch the axes, a log axis keeps its range), drawn at once.
+    ``at`` places an event frame's rows on the chart's x (default: their step bin, or wall time);
+    ``group`` names the run a chart of several runs marks (the shapes' ``name`` and legend group)."""
+    place: Position = at or (lambda frame: _bins(frame, x, first, width))
     styles: list[tuple[pd.Series, str, str, float, str]] = []
     if len(events):
-        at = _bins(events, x, first, width)
+        at = place(events)
         resync = (events["state"] == "firing") & events["resync"].fillna(False).astype(bool)
         styles += [(at[(events["state"] == "firing") & ~resync], MARKERS["firing"][1], "solid", 1.0, "full"),
                    (at[events["state"] == "resolved"], MARKERS["resolved"][1], "dot", 1.0, "full"),
                    (at[resync], RESYNC[1], "dash", 1.0, "full")]
     if run_events is not None and len(run_events):
-        at = _bins(run_events, x, first, width)
+        at = place(run_events)
         styles += [(at[run_events["kind"] == kind], color, dash, w, where)
                    for kind, (color, dash, w, where) in RUN_EVENT_STYLE.items()]
     shapes = []
@@ -160,7 +166,8 @@ def annotate(fig: go.Figure, events: pd.DataFrame, *, x: XAxis = "step", first: 
                 continue
             shapes.append(dict(type="path", xref=xref, yref="paper", layer="below", opacity=opacity,
                                path=_path(xs, 0.0, RUG_HEIGHT if where == "rug" else 1.0),
-                               line=dict(color=color, dash=dash, width=w)))
+                               line=dict(color=color, dash=dash, width=w),
+                               **({"name": group, "legendgroup": group} if group else {})))
     if shapes:
         fig.update_layout(shapes=list(fig.layout.shapes) + shapes)
     return fig

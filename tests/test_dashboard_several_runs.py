@@ -116,3 +116,51 @@ def test_a_search_narrows_the_runs_offered_and_picks_those_it_matches(server: st
     steps = sorted(s for (s,) in duckdb.sql(
         f"select step from read_parquet('{root / 'stable_fleet' / 'steps' / '*.parquet'}')").fetchall())
     assert all(sorted(t["x"]) == steps for t in traces)          # x: the run's own steps
+
+
+# every annotation path of the overlay: the run it marks, its line style and the x of its lines
+SHAPES = """el => (el.layout.shapes || []).filter(s => s.type === 'path').map(s => ({
+    run: s.legendgroup || null, color: s.line.color, dash: s.line.dash || 'solid', width: s.line.width,
+    x: [...(s.path || '').matchAll(/M([^,]+),/g)].map(m => Number(m[1]))}))"""
+# a mark's style -> what it marks: (table, condition on its rows); the alert's resync trigger and
+# the run's resync request share the purple dashed line
+STYLES = {("#d62728", "solid"): [("alerts", "state = 'firing' and not coalesce(resync, false)")],
+          ("#2ca02c", "dot"): [("alerts", "state = 'resolved'")],
+          ("#9467bd", "dash"): [("alerts", "state = 'firing' and coalesce(resync, false)"),
+                                ("events", "kind = 'resync_request'")],
+          ("#9467bd", "solid"): [("events", "kind = 'resync'")],
+          ("#555555", "solid"): [("events", "kind = 'weight_sync'")]}
+
+
+def stored_marks(run_dir: Path) -> dict[tuple[str, str], set[float]]:
+    """Style -> the seconds since run.json's started_at of the run's stored alert and run events
+    it marks, from the Parquet files."""
+    started = json.loads((run_dir / "run.json").read_text())["started_at"]
+    out = {}
+    for style, parts in STYLES.items():
+        out[style] = {round(t - started, 6) for table, where in parts for (t,) in duckdb.sql(
+            f"select wall_time from read_parquet('{run_dir / table / '*.parquet'}') where {where}").fetchall()}
+    return {k: v for k, v in out.items() if v}
+
+
+def test_each_run_gets_the_alert_and_sync_marks_of_its_stored_events(server: str, root: Path) -> None:
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=find("chromium"), args=LAUNCH_ARGS)
+        page = b.new_context(viewport={"width": 1400, "height": 2200}).new_page()
+        params = [("run", "fault_midrun"), ("refresh", "off"), *[("runs_sel", r) for r in RUNS],
+                  ("runs_x", "seconds since start")]
+        page.goto(f"{server}/runs?{urlencode(params)}")
+        wait_drawn(page)
+        chart(page, "runs_overlay").wait_for(timeout=60_000)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "several_runs_marks.png"), full_page=True)
+        shapes = chart(page, "runs_overlay").evaluate(SHAPES)
+        b.close()
+    drawn: dict[str, dict[tuple[str, str], set[float]]] = {}
+    for s in shapes:
+        drawn.setdefault(s["run"], {}).setdefault((s["color"], s["dash"]), set()).update(
+            round(v, 6) for v in s["x"])
+    assert set(drawn) == set(RUNS)                      # every path names its run
+    for run in RUNS:
+        want = stored_marks(root / run)
+        assert want and drawn[run] == want, run        # each run's marks at its own events' times
