@@ -45,3 +45,21 @@ def test_the_pools_lines_get_markers_so_that_plotly_lets_them_be_clicked() -> No
     fig.add_scatter(x=[1, 1], y=[0, 1], mode="lines", legendgroup="marks")
     exemplar_links.clickable(fig, series)
     assert [t.mode for t in fig.data] == ["lines+markers"] * 2 + ["lines"]
+
+
+def test_a_bin_opens_its_step_with_the_largest_stored_ratio() -> None:
+    steps = pd.DataFrame({"step": [10, 11, 12, 14, 15], "max_abs_log_ratio": [0.2, 0.9, 0.5, 3.0, 0.1]})
+    assert exemplar_links.worst_in_bin(steps, 10, 4) == 11      # 14 lies in the next bin
+    assert exemplar_links.worst_in_bin(steps, 14, 4) == 14
+    assert exemplar_links.worst_in_bin(steps, 20, 4) is None     # no stored exemplar in the bin
+
+
+def test_binned_points_name_their_steps_in_the_hover() -> None:
+    series = pd.DataFrame({"step": [0, 4, 8, 0, 4, 8], "wall_time": [0.0] * 6,
+                           "pool": ["a", "a", "a", "b", "b", "b"], "mismatch/k3": [1e-3, 2e-3, 1e-3, 5e-4, 0.0, 1e-4]})
+    fig = exemplar_links.clickable(figures.line_figure(series, "mismatch/k3", group="pool", width=4), series, 4)
+    for trace in fig.data:
+        assert list(trace.text) == [exemplar_links.BINNED_HOVER.format(lo=b, hi=b + 3) for b in (0, 4, 8)]
+        assert "%{text}" in trace.hovertemplate
+    plain = exemplar_links.clickable(figures.line_figure(series, "mismatch/k3", group="pool"), series)
+    assert all(t.text is None for t in plain.data)

@@ -70,3 +70,13 @@ def test_a_zero_on_a_log_axis_is_drawn_at_its_floor_and_kept_in_the_hover() -> N
     series = {"a": pd.DataFrame({"x": [0, 1, 2], "pool": ["p"] * 3, "m": [0.0, 1e-4, 1.0]})}
     (trace,) = sr.overlay(series, "m", metric_label="m", group_of={"a": ""}, x_title="step", y_scale="log").data
     assert 0 < trace.y[0] < 1e-4 and list(trace.customdata) == [0.0, 1e-4, 1.0]
+
+
+def test_a_runs_marks_are_placed_on_its_own_x() -> None:
+    events = pd.DataFrame({"step": [5, 6, 9], "wall_time": [105.0, 106.5, 109.0]})
+    at = sr.marks_at("step", origin=4, width=2, first_step=4, started_at=100.0)
+    assert list(at(events)) == [4, 6, 8]                              # the bins the series draws
+    at = sr.marks_at("steps since start", origin=4, width=2, first_step=4, started_at=100.0)
+    assert list(at(events)) == [0, 2, 4]
+    at = sr.marks_at("seconds since start", origin=4, width=2, first_step=4, started_at=100.0)
+    assert list(at(events)) == [5.0, 6.5, 9.0]                        # the event's own time
