@@ -123,9 +123,9 @@ def test_prometheus_fires_the_resync_alert_while_a_run_is_logged(tmp_path):
             assert [a["labels"]["pool"] for a in firing] == ["fp8"]
             assert alert["labels"]["resync"] == "true" and alert["labels"]["severity"] == "critical"
             assert alert["annotations"]["summary"].startswith("ESS of pool fp8 is 0.")
-            # in-process: one resync, asked at the first collapsed step by the one-step jump gate;
-            # LowESS, firing while that request is watched, does not ask again
-            assert [(e.alert, e.pool, e.since_step) for e in resyncs] == [("MismatchStepJump", "fp8", collapse)]
+            # in-process: one resync, asked when the collapse has held two steps; LowESS and the step
+            # jump fire at the same step for fp8, and the first rule that asks (LowESS) takes the one request
+            assert [(e.alert, e.pool, e.since_step) for e in resyncs] == [("MismatchLowESS", "fp8", collapse)]
             seen = instant(url, "mismatch_last_step", time=alert["activeAt"])
             assert abs(int(float(seen[0]["value"][1])) - collapse) <= 1   # one scrape/evaluation interval
 
