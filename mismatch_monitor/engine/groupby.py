@@ -114,14 +114,14 @@ def group(parts: Sequence[Columns], keys: Sequence[str], *, within: int | None =
 
 
 # mixed-radix codes stay below this; a wider space is made dense (its sorted unique codes) first
-_CODE_LIMIT = 1 << 62
+CODE_LIMIT = 1 << 62
 
 
 def combine(code: np.ndarray, space: int, more: np.ndarray, radix: int) -> tuple[np.ndarray, int]:
     """Codes of (``code``, ``more``) pairs in their lexicographic order, and their space:
     ``code * radix + more`` for ``code`` in 0..space-1 and ``more`` in 0..radix-1. When the
     product would overflow, ``code`` is made dense first (its sorted unique values, order kept)."""
-    if space * radix >= _CODE_LIMIT:
+    if space * radix >= CODE_LIMIT:
         uniques, code = np.unique(code, return_inverse=True)
         space = len(uniques)
     return code * radix + more, space * radix
@@ -228,6 +228,8 @@ def merge_column(values: np.ndarray, rule: str, group: np.ndarray, G: int,
         return kept(logsumexp_by(values, group, G))
     if G == 1:              # every row in one group: a plain reduction (a step's total, every step)
         return kept(_total(values, rule))
+    if keep is not None and len(keep) == 1:     # one slot of a dense Coded holds every row: the same
+        return _total(values, rule)
     if rule == "sum":
         if values.dtype.kind in "iu":
             # bincount sums in float64: exact while every partial sum stays below 2^53, which
