@@ -39,7 +39,7 @@ setup(
     ext_modules=[
         Extension(
             "mismatch_monitor.engine._native",
-            sources=["mismatch_monitor/engine/_native.c"],
+            sources=["mismatch_monitor/engine/_native.c", "mismatch_monitor/engine/_merge.c"],
             # no errno from math functions and no FP traps: lets comparisons vectorize; the
             # loops never read errno or FP exception flags. No fused multiply-adds the source does
             # not write: every compiler and every per-ISA build then rounds the same way and gives

@@ -19,7 +19,7 @@ from mismatch_monitor.collectors.rank_exemplars import pack_exemplars, top_exemp
 from mismatch_monitor.collectors.rank_merge import merge_packed
 from mismatch_monitor.collectors.rank_payload import narrow, pack
 from mismatch_monitor.config import MetricConfig
-from mismatch_monitor.engine import MismatchStats, compute_stats, groupby, merge
+from mismatch_monitor.engine import MismatchStats, compute_stats, groupby, merge, native_merge
 from mismatch_monitor.exemplars import EXEMPLAR_TABLES, merge_exemplars, tail_exemplars
 
 from test_distributed_reducer import CONFIG, make_batch
@@ -38,6 +38,19 @@ def no_turns(seed: int, num_seqs: int) -> TokenBatch:
                                 labels={"pool": [f"p{i % 3}" for i in range(num_seqs)]})
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def merge_path(request):
+    """The packed merge by the compiled loops of engine/_merge.c, or by numpy (as without the
+    extension)."""
+    if request.param == "compiled":
+        if not native_merge.available():
+            pytest.skip("the compiled merge loops were not built (python setup.py build_ext --inplace)")
+        yield request.param
+    else:
+        with mock.patch.object(native_merge, "available", lambda: False):
+            yield request.param
+
+
 def assert_same(got: MismatchStats, want: MismatchStats) -> None:
     assert got.dims == want.dims and got.params == want.params
     for name, table in want.tables.items():
@@ -52,7 +65,7 @@ def parts() -> list[MismatchStats]:
 
 
 @pytest.mark.parametrize("dense", [None, True, False])
-def test_packed_merge_is_the_engine_merge_bit_for_bit(dense):
+def test_packed_merge_is_the_engine_merge_bit_for_bit(dense, merge_path):
     """``dense``: the group-by's codes grouped by slot (True) or by sorting (False) everywhere."""
     stats = parts()
     choose = groupby.dense_space if dense is None else (lambda n, space: dense)
@@ -62,13 +75,13 @@ def test_packed_merge_is_the_engine_merge_bit_for_bit(dense):
         assert_same(got, merge(subset))
 
 
-def test_null_turn_buckets_and_missing_labels_merge_as_the_engine_merges_them():
+def test_null_turn_buckets_and_missing_labels_merge_as_the_engine_merges_them(merge_path):
     stats = [compute_stats(no_turns(s, 12), CONFIG) for s in range(3)] + [parts()[2]]
     assert stats[0]["tokens"]["turn_bucket"].isna().all()
     assert_same(merge_packed([pack(s) for s in stats]), merge(stats))
 
 
-def test_histogram_rows_of_one_cell_apart_still_merge_into_one_row():
+def test_histogram_rows_of_one_cell_apart_still_merge_into_one_row(merge_path):
     """Packing codes a cell per run of rows; a table whose cell comes back later (rows not
     grouped by cell) still merges to one row per (cell, bin)."""
     s = parts()[2]
@@ -79,7 +92,7 @@ def test_histogram_rows_of_one_cell_apart_still_merge_into_one_row():
     assert_same(merge_packed([pack(other), pack(parts()[3])]), merge([other, parts()[3]]))
 
 
-def test_realistic_slicing_merges_exactly_and_packs_small():
+def test_realistic_slicing_merges_exactly_and_packs_small(merge_path):
     import sys
     from pathlib import Path
 
@@ -90,6 +103,15 @@ def test_realistic_slicing_merges_exactly_and_packs_small():
     assert_same(merge_packed([pack(s) for s in stats]), merge(stats))
     # the label strings travel once per cell, not once per histogram row
     assert len(pickle.dumps(pack(stats[0]))) < len(pickle.dumps(stats[0].tables)) / 4
+
+
+def test_one_merged_row_of_many_parts_is_the_engine_plain_sum(merge_path):
+    """Every part in one cell: the engine sums a group of one by numpy's plain (pairwise) sum,
+    which from eight rows on rounds otherwise than adding row by row; the merge does the same."""
+    config = MetricConfig(length_edges=(1000,), turn_edges=(1000,))
+    stats = [compute_stats(no_turns(s, 1), config) for s in range(12)]
+    assert len(merge(stats)["tokens"]) == 1
+    assert_same(merge_packed([pack(s) for s in stats]), merge(stats))
 
 
 def test_shards_of_frames_and_packed_shards_merge_alike():
