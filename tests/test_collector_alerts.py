@@ -35,11 +35,11 @@ def test_low_ess_fires_once_resyncs_once_and_clears(tmp_path):
     low_ess = [e for e in events if e[0] == "MismatchLowESS"]
     assert [e[1:3] for e in low_ess] == [("async", "firing"), ("async", "resolved")]
     assert 6 <= low_ess[0][3] < 14 and low_ess[1][3] == 14
-    # one request, at the first step of the incident: the one-step jump gate asks at once; LowESS,
-    # firing a step later while that request is watched, does not ask again
+    # one request, at the incident's second step: the step-jump gate holds two steps and LowESS
+    # fires the same step; the two ask once between them
     jump = [e for e in events if e[0] == "MismatchStepJump" and e[2] == "firing"]
-    assert [(e[3], e[1]) for e in jump] == [(6, "async")]
-    assert resyncs == [(6, "async")]
+    assert [(e[3], e[1]) for e in jump] == [(7, "async")]
+    assert resyncs == [(7, "async")]
     stored = query.rows(query.connect(), run, "alerts")
     assert ("MismatchLowESS", "async", "firing") in set(zip(stored["alert"], stored["pool"], stored["state"]))
     assert "sync" not in set(stored.loc[stored["alert"] == "MismatchLowESS", "pool"])
