@@ -27,8 +27,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .batch_checks import (BatchError, check_float, check_int, checked_fields, detached, same_device,
-                           shape_text)
+from .batch_checks import (BatchError, check_float, check_int, checked_fields, checked_offsets, detached,
+                           same_device, shape_text)
 from .batch_layout import PaddedRows, repeat_ids
 
 __all__ = ["STANDARD_DIMENSIONS", "BatchError", "TokenBatch"]
@@ -47,11 +47,9 @@ class TokenBatch:
 
     Attributes (N tokens, B sequences, L layers, K experts per token):
         trainer_logprobs, sampler_logprobs: ``[N]`` float, log pi and log mu of the sampled tokens.
-        seq_index: ``[N]`` int64, the sequence each token belongs to (0..B-1) (a property: with
-            contiguous sequences it is built when first asked, since the compiled pass reads
-            ``seq_offsets`` instead; :meth:`sequences_of` for a few tokens).
-        position: ``[N]`` int64, the token's position within its response (a property: with
-            contiguous sequences it is computed when asked; :meth:`positions_of` for a few tokens).
+        seq_index, position: ``[N]`` int64, each token's sequence (0..B-1) and position in its
+            response (properties: with contiguous sequences computed when first asked, as the
+            compiled pass reads ``seq_offsets``; :meth:`sequences_of`, :meth:`positions_of`).
         num_sequences: B.
         labels: dimension -> B strings (pool, hardware, precision, engine, env, or any other).
         turn_index: ``[N]`` int64 turn of each token (multi-turn agents) or None.
@@ -65,8 +63,7 @@ class TokenBatch:
             (the padded and offsets layouts), else None; lets exemplars read one sequence's tokens.
         position_index: ``[N]`` int64 positions when sequences are not contiguous (``seq_ids``
             layout), else None.
-        seq_ids: ``[N]`` int64 sequence of every token as stored: given with the ``seq_ids``
-            layout, None with contiguous sequences until ``seq_index`` is first asked for.
+        seq_ids: ``[N]`` int64 as stored: given (``seq_ids`` layout), or None until ``seq_index``.
     """
 
     trainer_logprobs: torch.Tensor
@@ -98,8 +95,6 @@ class TokenBatch:
     def seq_index(self) -> torch.Tensor:
         """``[N]`` int64 sequence of every token (built from ``seq_offsets`` once, when asked)."""
         if self.seq_ids is None:
-            if self.seq_offsets is None:
-                raise BatchError("a batch needs seq_ids or seq_offsets to know each token's sequence")
             ids = repeat_ids(self.num_sequences, self.seq_offsets.diff(), self.num_tokens)
             object.__setattr__(self, "seq_ids", ids)
         return self.seq_ids
@@ -240,18 +235,7 @@ class TokenBatch:
         device = trainer_logprobs.device
         N = trainer_logprobs.shape[0]
         if seq_offsets is not None:
-            offsets = torch.as_tensor(seq_offsets, device=device)
-            check_int("seq_offsets", offsets)
-            offsets = offsets.to(torch.int64)
-            if offsets.dim() != 1 or offsets.numel() < 1:
-                raise BatchError(f"expected seq_offsets of shape [B + 1], got {shape_text(offsets)}")
-            if int(offsets[0]) != 0 or int(offsets[-1]) != N:
-                raise BatchError(
-                    f"expected seq_offsets to start at 0 and end at N={N}, got "
-                    f"{int(offsets[0])}..{int(offsets[-1])}")
-            lengths = offsets.diff()
-            if bool((lengths < 0).any()):
-                raise BatchError("expected non-decreasing seq_offsets")
+            offsets = checked_offsets(seq_offsets, N, device)
             B = offsets.numel() - 1
             seq_index = None                     # contiguous sequences: built when asked
             position = None

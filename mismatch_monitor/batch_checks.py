@@ -35,6 +35,21 @@ def check_int(name: str, t: torch.Tensor) -> None:
         raise BatchError(f"expected {name} to have an integer dtype, got {t.dtype}")
 
 
+def checked_offsets(seq_offsets: object, N: int, device: torch.device) -> torch.Tensor:
+    """``seq_offsets`` as [B + 1] int64 on ``device``: from 0 to N, non-decreasing."""
+    offsets = torch.as_tensor(seq_offsets, device=device)
+    check_int("seq_offsets", offsets)
+    offsets = offsets.to(torch.int64)
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise BatchError(f"expected seq_offsets of shape [B + 1], got {shape_text(offsets)}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != N:
+        raise BatchError(
+            f"expected seq_offsets to start at 0 and end at N={N}, got {int(offsets[0])}..{int(offsets[-1])}")
+    if bool((offsets.diff() < 0).any()):
+        raise BatchError("expected non-decreasing seq_offsets")
+    return offsets
+
+
 def _clean_label(v: object) -> str | None:
     # None (or NaN) stays a missing label: stored as null, never as the string "None"
     return None if v is None or (isinstance(v, float) and v != v) else str(v)
