@@ -297,3 +297,15 @@ def test_padded_and_flat_layouts_give_identical_tokens_and_statistics(dtype, lay
     assert sp.tables.keys() == sf.tables.keys()
     for table in sp.tables:
         pd.testing.assert_frame_equal(sp[table], sf[table], check_exact=True)
+
+
+def test_odd_label_values_become_cells_by_their_text_and_nulls_one_cell():
+    # None and NaN are one null cell; "" and non-ASCII text are values; numbers are their text
+    t = torch.tensor([-1.0, -2.0, -0.5, -0.1, -3.0, -1.0, -0.2, -0.3])
+    b = TokenBatch.from_flat(t + 0.01, t, seq_offsets=[0, 2, 4, 6, 7, 8],
+                             labels={"pool": ["é", None, "", float("nan"), 7]})
+    tokens = compute_stats(b, MetricConfig()).tables["tokens"]
+    per_pool = tokens.groupby("pool", dropna=False)["n_tokens"].sum()
+    assert {k: v for k, v in per_pool.items() if not pd.isna(k)} == {"": 2, "7": 1, "é": 2}
+    assert per_pool.index.isna().sum() == 1 and int(per_pool[per_pool.index.isna()].iloc[0]) == 3
+    assert str(tokens["pool"].dtype) == "string"
