@@ -139,18 +139,29 @@ def hide_pool(page) -> str:  # noqa: ANN001
     """A user's click on the legend entry of the last pool listed: that pool is hidden and named
     in the URL (``<key>_hide``); the pool's name."""
     hide = re.compile(rf"{KEY}_hide=([^&]+)")
-    for _ in range(3):              # a click made while a refresh replaces the chart is lost: again
+    names: list[str] = []
+
+    def click() -> None:
         entry = page.locator(f".st-key-{KEY} .js-plotly-plot .legend .traces").last
-        name = entry.locator(".legendtext").text_content(timeout=30_000)
+        names.append(entry.locator(".legendtext").text_content(timeout=30_000))
         entry.locator(".legendtoggle").click(timeout=30_000)
+
+    until_url(page, click, hide, "the legend click")
+    assert unquote_plus(hide.search(page.url).group(1)) == names[-1], (page.url, names)
+    return names[-1]
+
+
+def until_url(page, act, pattern: re.Pattern, what: str) -> None:  # noqa: ANN001
+    """``act()`` until the URL matches ``pattern``, three times at most: a click or drag made while
+    a refresh replaces the chart is lost."""
+    for _ in range(3):
+        act()
         try:
-            page.wait_for_url(hide, timeout=30_000)
+            page.wait_for_url(pattern, timeout=30_000)
             break
         except sync_api.TimeoutError:
             continue
-    assert hide.search(page.url), f"the legend click never reached the URL: {page.url}"
-    assert unquote_plus(hide.search(page.url).group(1)) == name, (page.url, name)
-    return name
+    assert pattern.search(page.url), f"{what} never reached the URL: {page.url}"
 
 
 def test_a_live_refresh_keeps_the_zoom_and_legend_and_never_blanks(server: str) -> None:
@@ -163,14 +174,7 @@ def test_a_live_refresh_keeps_the_zoom_and_legend_and_never_blanks(server: str) 
         wait_drawn(page)
         full = until("the chart's first drawn steps", lambda: (s := state(page)) and s["last"] is not None and s, 240)
         zoomed = re.compile(rf"{KEY}_x=([\d.]+)~([\d.]+)")
-        for _ in range(3):              # a drag made while a refresh replaces the chart is lost: again
-            box_zoom(page)
-            try:
-                page.wait_for_url(zoomed, timeout=30_000)
-                break
-            except sync_api.TimeoutError:
-                continue
-        assert zoomed.search(page.url), f"the drag never reached the URL: {page.url}"
+        until_url(page, lambda: box_zoom(page), zoomed, "the drag")
         lo, hi = (float(v) for v in zoomed.search(page.url).groups())
         assert full["x"][0][0] < lo < hi, (full["x"][0], lo, hi)     # a zoom into the run's steps
         # the box's y zoom of the first subplot (y axis 1; on a log axis in decades) and a pool
