@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import importlib.util
 from typing import Sequence
 
 import numpy as np
+
+from . import native
 
 # MM_MERGE_VERSION of _merge.c
 MERGE_VERSION = 5
@@ -36,12 +37,11 @@ class Groups(ctypes.Structure):
 
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
-    """The extension with the merge loops of this version, or None (not built, or built from
-    another version of _merge.c)."""
-    spec = importlib.util.find_spec(f"{__package__}._native")
-    if spec is None or not spec.origin:
+    """The engine's extension (``native.library``) when it holds the merge loops of this
+    version, else None (not built, or built from another version of _merge.c)."""
+    lib = native.library()
+    if lib is None:
         return None
-    lib = ctypes.CDLL(spec.origin)
     version = getattr(lib, "mm_merge_version", None)
     if version is None:
         return None
