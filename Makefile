@@ -16,7 +16,8 @@ TORCH_CHOSEN := $(if $(TORCH_SPEC)$(TORCH_INDEX_URL),torch-chosen)
 
 .PHONY: install demo test sample-data dashboard bench clean install-vllm demo-vllm
 
-$(STAMP): pyproject.toml setup.py mismatch_monitor/engine/_native.c scripts/install_torch.py $(TORCH_CHOSEN)
+$(STAMP): pyproject.toml setup.py mismatch_monitor/engine/_native.c mismatch_monitor/engine/_merge.c \
+		mismatch_monitor/_padded.c scripts/install_torch.py $(TORCH_CHOSEN)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) scripts/install_torch.py --spec "$(or $(TORCH_SPEC),$(if $(TORCH_INDEX_URL),torch==$(TORCH_VERSION)))" \
 		--index-url "$(TORCH_INDEX_URL)"

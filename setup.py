@@ -1,7 +1,9 @@
-"""Only the compiled loops of the metric engine; everything else is in pyproject.toml.
+"""Only the compiled loops (the metric engine's, and the padded layout's row scan); everything
+else is in pyproject.toml.
 
-The extension is optional: without a C compiler the install goes on and the engine runs its
-torch implementation (see mismatch_monitor/engine/native.py).
+The extensions are optional: without a C compiler the install goes on, the engine runs its
+torch implementation (see mismatch_monitor/engine/native.py) and padded batches take numpy
+(mismatch_monitor/batch_layout.py).
 """
 
 import os
@@ -46,7 +48,10 @@ setup(
             # bit-identical statistics (GCC contracts a * b + c by default, clang does not)
             extra_compile_args=["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"],
             optional=True,
-        )
+        ),
+        # the padded layout's rows (mask scan and run copies), read by mismatch_monitor/batch_layout.py
+        Extension("mismatch_monitor._padded", sources=["mismatch_monitor/_padded.c"], extra_compile_args=["-O3"],
+                  optional=True),
     ],
     cmdclass={"build_ext": BuildExt},
 )

@@ -164,10 +164,8 @@ class TokenBatch:
                      trainer_experts=trainer_experts, sampler_experts=sampler_experts,
                      in_trainer_support=in_trainer_support,
                      sampler_kept_logmass=sampler_kept_logmass, token_ids=token_ids)
-        # a cast is the same test as != 0 (NaN included) at half its time on an integer mask
-        mask = response_mask.to(torch.bool)
         B, T = trainer_logprobs.shape
-        rows = PaddedRows(mask)            # row-major: tokens stay in sequence order
+        rows = PaddedRows(response_mask)   # row-major: tokens stay in sequence order
 
         def per_token(name: str, t: torch.Tensor | None, extra: int = 0) -> torch.Tensor | None:
             if t is None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import padded_native
+
 # numpy has no bfloat16: such a tensor is selected through an int16 view of its bytes
 _VIEWS = {torch.bfloat16: torch.int16}
 
@@ -43,24 +45,53 @@ class PaddedRows:
     """The rows of a ``[B, T]`` response mask: which slots are tokens, and where each row starts.
 
     ``lengths`` ``[B]`` int64 tokens per row, ``offsets`` ``[B + 1]`` their cumulative sum (the
-    row of each token, in row-major order, follows from them: ``TokenBatch.seq_index``)."""
+    row of each token, in row-major order, follows from them: ``TokenBatch.seq_index``). A slot
+    is a token where the mask is non-zero (``mask.to(torch.bool)``; NaN counts as non-zero).
 
-    def __init__(self, mask: torch.Tensor) -> None:
-        self.mask = mask                                  # [B, T] bool
-        self._np = _as_numpy(mask)
-        B = mask.shape[0]
+    Where the compiled scan reads the mask (``padded_native``: CPU, integer or bool) it finds
+    each row's count and first token in the mask's own dtype, and when every row is one run of
+    slots (prompt padding, response, end padding) each tensor's runs are copied out by it; the
+    bool mask is made only for a mask that is not (a select by numpy, or torch)."""
+
+    def __init__(self, response_mask: torch.Tensor) -> None:
+        self._raw = response_mask
+        self._bool: torch.Tensor | None = None
         self._runs: list[tuple[int, int, int]] | None = None
-        if self._np is not None:
-            lengths = np.count_nonzero(self._np, axis=1)
-            self.lengths = torch.from_numpy(lengths.astype(np.int64))
-            self._runs = _single_runs(self._np, lengths)
+        self._scan = padded_native.rows(response_mask)
+        if self._scan is not None:
+            counts, firsts, single = self._scan
+            self.lengths = torch.from_numpy(counts)
+            if not single:
+                self._scan = None
+            self._np = _as_numpy(self.mask) if self._scan is None else None
         else:
-            self.lengths = mask.sum(1, dtype=torch.int64)
+            self._np = _as_numpy(self.mask)
+            if self._np is not None:
+                lengths = np.count_nonzero(self._np, axis=1)
+                self.lengths = torch.from_numpy(lengths.astype(np.int64))
+                self._runs = _single_runs(self._np, lengths)
+            else:
+                self.lengths = self.mask.sum(1, dtype=torch.int64)
         self.offsets = torch.cat([self.lengths.new_zeros(1), self.lengths.cumsum(0)])
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """``[B, T]`` bool: the response mask's token slots (cast once, when asked)."""
+        if self._bool is None:
+            # a cast is the same test as != 0 (NaN included) at half its time on an integer mask
+            self._bool = self._raw.to(torch.bool)
+        return self._bool
 
     def select(self, t: torch.Tensor) -> torch.Tensor:
         """``t[mask]``: ``[B, T, ...]`` -> ``[N, ...]``, the same values in the same order."""
-        arr = _as_numpy(t) if self._np is not None else None
+        if self._scan is not None:          # every row one run: one copy per row, compiled
+            out = padded_native.gather(t, self._scan[0], self._scan[1], int(self.offsets[-1]))
+            if out is not None:
+                return out
+            if self._runs is None:       # a tensor it does not read: numpy copies the same runs
+                counts, firsts, _ = self._scan
+                self._runs = [(b, f, f + n) for b, (f, n) in enumerate(zip(firsts.tolist(), counts.tolist())) if n]
+        arr = _as_numpy(t) if self._np is not None or self._runs is not None else None
         if arr is None:
             return t[self.mask]
         if self._runs is not None:       # each row one run of slots: copy the runs, no mask read
