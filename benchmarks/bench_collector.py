@@ -9,7 +9,8 @@
 2. Bytes on disk per step per 1,000 cells.
 3. The padded layout verl and OpenRLHF pass (``--padded B T``, default 2048 x 4096 slots):
    ``TokenBatch.from_padded`` plus ``compute_stats`` as a ratio to ``compute_stats`` on the same
-   tokens given flat, timed alternately in the same run.
+   tokens given flat, timed alternately in the same run; and the same with the compiled mask
+   scan switched off (``padded_native``: the numpy path a build without it takes).
 4. ``summary`` and a by-pool series query on a run of ``--steps`` steps (the same step's
    statistics written ``--steps`` times through the real writer, flushed every 100 steps), as
    absolute times and as ratios to a bare ``count(*)`` over the same files.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from mismatch_monitor import query
+from mismatch_monitor import padded_native, query
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.cli import main as cli_main
 from mismatch_monitor.collectors import MismatchCollector
@@ -135,14 +136,26 @@ def bench_padded(B: int, T: int, repeat: int = 5) -> None:
     flat = TokenBatch.from_flat(padded.trainer_logprobs, padded.sampler_logprobs,
                                 seq_offsets=padded.seq_offsets, labels=fields["labels"])
     compute_stats(flat)                                 # warm-up
-    engine = build = both = float("inf")
+    compiled = padded_native.library
+
+    def numpy_rows() -> None:                           # the same with the mask scan not built
+        padded_native.library = lambda: None
+        try:
+            compute_stats(TokenBatch.from_padded(response_mask=mask, **fields))
+        finally:
+            padded_native.library = compiled
+
+    engine = build = both = plain = float("inf")
     for _ in range(repeat):                             # interleaved: the same machine state
         engine = min(engine, best_of(lambda: compute_stats(flat), 1))
         build = min(build, best_of(lambda: TokenBatch.from_padded(response_mask=mask, **fields), 1))
         both = min(both, best_of(lambda: compute_stats(TokenBatch.from_padded(response_mask=mask, **fields)), 1))
-    print(f"\npadded input [{B}, {T}] ({padded.num_tokens:,} response tokens), best of {repeat}")
-    print(f"{'engine on flat s':>17} {'from_padded s':>14} {'padded->stats s':>16} {'x engine':>9}")
-    print(f"{engine:>17.4f} {build:>14.4f} {both:>16.4f} {both / engine:>9.2f}")
+        plain = min(plain, best_of(numpy_rows, 1))
+    print(f"\npadded input [{B}, {T}] ({padded.num_tokens:,} response tokens), best of {repeat}; "
+          f"compiled mask scan {'built' if compiled() is not None else 'NOT built'}")
+    print(f"{'engine on flat s':>17} {'from_padded s':>14} {'padded->stats s':>16} {'x engine':>9} "
+          f"{'numpy rows s':>13} {'x engine':>9}")
+    print(f"{engine:>17.4f} {build:>14.4f} {both:>16.4f} {both / engine:>9.2f} {plain:>13.4f} {plain / engine:>9.2f}")
 
 
 def bench_queries(steps: int, tmp: Path) -> None:
