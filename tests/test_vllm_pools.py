@@ -187,8 +187,10 @@ def test_a_smoothed_int8_checkpoint_serves_and_is_recorded(monkeypatch):
 
 
 def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkeypatch):
-    """reload_weights of a compressed-tensors int8 checkpoint gives NaN log-probs on the CPU: the
-    pool must say so at the sync (not feed NaN to the trainer), and its restart sync must work."""
+    """reload_weights of a compressed-tensors int8 checkpoint gives NaN log-probs on the CPU, or
+    finite ones that differ from a fresh engine's on the same weights: the pool must say so at
+    the sync when it is NaN (not feed NaN to the trainer), and the restart sync int8 takes must
+    give the fresh engine's log-probs."""
     tok, cfg, state, episodes = toy_policy()
     spec = vllm_pool("int8", "int8")
     sampler = pool_module.VllmPoolSampler(spec, cfg, tok)
@@ -199,15 +201,19 @@ def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkey
         again = sampler.rollout(episodes, temperature=0.9, max_new_tokens=6, seed=0)
         assert all(torch.equal(a.sampler_logprobs, b.sampler_logprobs) for a, b in zip(first, again))
         assert sampler.engine_info["sync"] == "engine restart"
+        restart = pool_module.RESTART_ON_SYNC
         monkeypatch.setattr(pool_module, "RESTART_ON_SYNC", frozenset())
         try:
             sampler.load(state, 2, "int8")
         except RuntimeError as exc:
-            assert re.search("non-finite log-prob .* after reload_weights", str(exc)), exc
+            assert re.search(r"non-finite log-prob\(s\) of \d+ probed .* after reload_weights", str(exc)), exc
         else:
-            # the NaN does not come every time: a run after other engines in the process got
-            # finite log-probs from the reload; then they must be the restart's, not merely finite
+            # the NaN does not come every time: after other engines ran in the process the reload
+            # has given finite log-probs, equal to the restart's in one run and different from
+            # them (the same weights: silently wrong) in another. No NaN reaches the trainer
+            # either way, and the wrong case is what the restart sync is for
             third = sampler.rollout(episodes, temperature=0.9, max_new_tokens=6, seed=0)
-            assert all(torch.equal(a.sampler_logprobs, b.sampler_logprobs) for a, b in zip(again, third))
+            assert all(torch.isfinite(b.sampler_logprobs).all() for b in third)
+            assert "int8" in restart
     finally:
         sampler.close()

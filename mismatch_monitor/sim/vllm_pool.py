@@ -21,6 +21,7 @@ grid dequantized in a bf16 engine, and its ``engine_info`` says so (``INT4_FALLB
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -45,7 +46,9 @@ KV_CACHE_BYTES = 64 << 20
 # CPU attention takes multiples of 32
 BLOCK_SIZE = 32
 # reload_weights of a compressed-tensors W8A8 int8 checkpoint gives NaN log-probs on vLLM 0.32's
-# CPU path (measured; the first load is fine), so an int8 pool syncs by starting a fresh engine
+# CPU path, or (after other engines ran in the process) finite log-probs that differ from a fresh
+# engine's on the same weights, which no probe for NaN sees (both measured; the first load is
+# fine), so an int8 pool syncs by starting a fresh engine
 RESTART_ON_SYNC = frozenset({"int8"})
 # what an int4 pool records when the engine has no W4A16 kernel here and runs the int4 grid in bf16
 INT4_FALLBACK = "int4 weights (W4A16 grid) dequantized to bf16: no W4A16 kernel on this CPU"
@@ -201,17 +204,25 @@ class VllmPoolSampler:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        # a prompt of every token id (a broken weight row shows on its own token) and a few
+        # sampled tokens after it, every log-prob read: a single token from BOS once came out
+        # finite from weights whose rollouts were NaN
+        vocab = int(self._config.vocab_size)
+        prompt = [self._tokenizer.bos_id] + list(range(vocab))
         try:
-            out = self._llm.generate([TokensPrompt(prompt_token_ids=[self._tokenizer.bos_id])],
-                                     SamplingParams(max_tokens=1, logprobs=0, detokenize=False), use_tqdm=False)
+            out = self._llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                                     SamplingParams(max_tokens=4, logprobs=0, prompt_logprobs=0, detokenize=False,
+                                                    seed=0), use_tqdm=False)
         except Exception as exc:
             raise RuntimeError(f"pool {self.spec.name}: vLLM cannot run {precision} on this CPU "
                                f"({type(exc).__name__}: {exc})") from exc
-        done = out[0].outputs[0]
-        value = done.logprobs[0][done.token_ids[0]].logprob
-        if not torch.isfinite(torch.tensor(value)):
-            raise RuntimeError(f"pool {self.spec.name}: {precision} engine gives a non-finite log-prob "
-                               f"({value}) after {after}")
+        done = out[0]
+        values = [lp[t].logprob for lp, t in zip(done.prompt_logprobs[1:], prompt[1:])]
+        values += [lp[t].logprob for lp, t in zip(done.outputs[0].logprobs, done.outputs[0].token_ids)]
+        bad = [v for v in values if not math.isfinite(v)]
+        if bad:
+            raise RuntimeError(f"pool {self.spec.name}: {precision} engine gives {len(bad)} non-finite log-prob(s) "
+                               f"of {len(values)} probed (e.g. {bad[0]}) after {after}")
 
     # ------------------------------------------------------------------ sampling
     def rollout(self, episodes: list[Episode], *, temperature: float, max_new_tokens: int,
