@@ -10,7 +10,10 @@ seed and prints, per run, the fixed-prompt fp32 evaluation reward at step 0, its
 seed's ``no_fault`` run, the mean |log rho| (sampler vs trainer) of the first and last tenth of
 the steps, the largest gradient norm and the run's seconds. ``--json`` keeps every curve
 (evaluation reward, training reward, mean |lr|, gradient norm per step) for docs/COLLAPSE.md.
-A run "collapses" when its final evaluation reward is below half of the no-fault run's.
+A run "collapses" when its final evaluation reward is below half of the no-fault run's. Every
+step also goes through the engine and the default alert rules (in-process, no resync performed):
+per run its first alert and number of firings, and for a faulty arm the lead time from that
+alert to the first evaluation whose reward is below half of the no-fault run's at the same step.
 Runs go arm by arm (every seed's no-fault run first); the arms of one seed share one warm start
 (run once, its weights reloaded: the same bits as running it again).
 """
@@ -23,6 +26,9 @@ import time
 
 import torch
 
+from mismatch_monitor.alerts import DEFAULT_RULES, AlertEvaluator
+from mismatch_monitor.engine import compute_stats
+from mismatch_monitor.metrics import report_by_label
 from mismatch_monitor.sim import Simulation, scenario
 from mismatch_monitor.sim import simulation as sim_module
 from mismatch_monitor.sim.scenarios import COLLAPSE_ARMS
@@ -51,9 +57,18 @@ sim_module.warm_start = cached_warm_start
 
 def run_arm(arm: str, seed: int, steps: int, options: dict[str, object]) -> dict[str, object]:
     t0 = time.perf_counter()
-    sim = Simulation(scenario("collapse_head", steps=steps, seed=seed, arm=arm, **options))
-    curve: dict[str, list] = {"eval_step": [], "eval_reward": [], "reward": [], "abs_lr": [], "grad_norm": []}
+    config = scenario("collapse_head", steps=steps, seed=seed, arm=arm, **options)
+    sim = Simulation(config)
+    # the default rules watch the run as the collector would (no resync performed: the fault is
+    # the sampler's head, which a weight resync does not change)
+    evaluator = AlertEvaluator(DEFAULT_RULES, pools={p.name: p.metadata() for p in config.pools})
+    curve: dict[str, list] = {"eval_step": [], "eval_reward": [], "reward": [], "abs_lr": [], "grad_norm": [],
+                              "firings": []}
     for out in sim.run(steps):
+        by_pool, fleet = report_by_label(compute_stats(out.batch, config.thresholds), "pool", config.thresholds)
+        curve["firings"] += [(out.step, e.alert, e.pool) for e in evaluator.observe(out.step, time.time(), by_pool,
+                                                                                   fleet=fleet)
+                             if e.state == "firing"]
         if out.eval_reward is not None:
             curve["eval_step"].append(out.step)
             curve["eval_reward"].append(out.eval_reward)
@@ -75,6 +90,17 @@ def summary(run: dict, baseline: dict | None) -> dict[str, float]:
     return {"eval0": ev[0], "final": final, "min": min(ev), "vs_no_fault": final / base if base else float("nan"),
             "lr_first": sum(run["abs_lr"][:tenth]) / tenth, "lr_last": sum(run["abs_lr"][-tenth:]) / tenth,
             "max_grad": max(run["grad_norm"]), "seconds": run["seconds"]}
+
+
+def lead_time(run: dict, baseline: dict | None) -> tuple[int | None, int | None]:
+    """(step of the run's first alert, first evaluation step whose reward is below half of the
+    no-fault run's at the same step); None where there is none."""
+    first = run["firings"][0][0] if run["firings"] else None
+    halved = None
+    if baseline is not None:
+        base = dict(zip(baseline["eval_step"], baseline["eval_reward"]))
+        halved = next((s for s, r in zip(run["eval_step"], run["eval_reward"]) if s in base and r < base[s] / 2), None)
+    return first, halved
 
 
 def main() -> None:
@@ -111,6 +137,15 @@ def main() -> None:
         print(f"| {run['seed']} | {run['arm']} | {s['eval0']:.3f} | {s['final']:.3f} | {s['min']:.3f} | "
               f"{s['vs_no_fault']:.2f} | {s['lr_first']:.2e} -> {s['lr_last']:.2e} | {s['max_grad']:.2f} | "
               f"{s['seconds']:.0f} |")
+    print("\n| seed | arm | first alert (step: rule, pool) | firings | eval reward below half of no_fault's from step "
+          "| lead (steps) |\n|---|---|---|---|---|---|")
+    for run in runs:
+        base = next((r for r in runs if r["seed"] == run["seed"] and r["arm"] == "no_fault"), None)
+        first, halved = lead_time(run, base if run["arm"] != "no_fault" else None)
+        shown = f"{run['firings'][0][0]}: `{run['firings'][0][1]}`, {run['firings'][0][2]}" if run["firings"] else "none"
+        lead = halved - first if first is not None and halved is not None else None
+        print(f"| {run['seed']} | {run['arm']} | {shown} | {len(run['firings'])} | "
+              f"{'never' if halved is None else halved} | {'' if lead is None else lead} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"steps": args.steps, "options": options, "runs": runs}, f)
