@@ -9,12 +9,18 @@
  * mm_gather_runs: each row's run of slots copied out of a [B, T, ...] tensor into a flat
  * [N, ...] one, rows one after the other (what `t[mask]` gives when each row is one run).
  *
- * Plain C, no allocation: the caller passes every output. */
+ * Plain C, no allocation: the caller passes every output. A large output is marked for
+ * transparent huge pages first (where the kernel has them): a fresh buffer of tens of MB is
+ * otherwise written at the speed of its 4 KiB page faults, 2-3x slower than the copy itself
+ * (measured: 14 ms against 5 ms for 20 MB). */
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
-#define MM_PADDED_VERSION 1
+#define MM_PADDED_VERSION 2
 
 /* x86-64 builds an AVX2 copy of the scan beside the baseline one (SSE2 has no 64-bit compare:
  * verl's int64 mask would be read at a quarter of the speed), chosen at load time */
@@ -74,6 +80,17 @@ void mm_gather_runs(const void *src, int64_t slot_bytes, int64_t B, int64_t row_
                     const int64_t *restrict counts, const int64_t *restrict firsts, void *out) {
     const char *s = (const char *)src;
     char *o = (char *)out;
+#if defined(MADV_HUGEPAGE)
+    {
+        int64_t total = 0;
+        for (int64_t b = 0; b < B; b++) total += counts[b] * slot_bytes;
+        const uintptr_t huge = (uintptr_t)2 << 20;
+        const uintptr_t lo = ((uintptr_t)o + huge - 1) & ~(huge - 1);
+        const uintptr_t hi = ((uintptr_t)o + (uintptr_t)total) & ~(huge - 1);
+        /* advice only: where it is refused the copy below is the same, only slower */
+        if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+    }
+#endif
     for (int64_t b = 0; b < B; b++) {
         const size_t n = (size_t)(counts[b] * slot_bytes);
         if (n) memcpy(o, s + b * row_bytes + firsts[b] * slot_bytes, n);

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 # MM_PADDED_VERSION of _padded.c
-VERSION = 1
+VERSION = 2
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # masks read on their bits: a slot is a token when its value is non-zero (as .to(torch.bool))
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
