@@ -217,3 +217,22 @@ def test_a_sync_that_breaks_the_weights_is_loud_and_int8_syncs_by_restart(monkey
             assert "int8" in restart
     finally:
         sampler.close()
+
+
+def test_the_load_probe_fits_a_context_shorter_than_the_vocabulary():
+    """The probe reads every token id: with 28 ids and a 16-position context it must split them
+    over several prompts, not fail the load as a format this CPU cannot run."""
+    from mismatch_monitor.sim.policy import build_model, model_config
+    from mismatch_monitor.sim.tokenizer import CharTokenizer
+
+    tok = CharTokenizer("abcdefghijklmnopqrst")
+    cfg = model_config(PolicyShape(**dict(VLLM_POLICY, max_positions=16)), tok.vocab_size, tok.pad_id,
+                       tok.bos_id, tok.eos_id)
+    assert cfg.vocab_size + 1 > cfg.max_position_embeddings
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()}
+    sampler = pool_module.VllmPoolSampler(vllm_pool("bf16", "bf16"), cfg, tok)
+    try:
+        sampler.load(state, 1, "bf16")
+    finally:
+        sampler.close()

@@ -198,27 +198,30 @@ class VllmPoolSampler:
         return seconds
 
     def _probe(self, precision: str, after: str = "start") -> None:
-        """One token through the engine: a format whose CPU kernel this build lacks (int4 W4A16
-        without AVX-512, for one) or weights a sync broke fail here with a clear message, not as
-        a step of NaN log-probs."""
+        """Every token id and a few sampled tokens through the engine: a format whose CPU kernel
+        this build lacks (int4 W4A16 without AVX-512, for one) or weights a sync broke fail here
+        with a clear message, not as a step of NaN log-probs."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        # a prompt of every token id (a broken weight row shows on its own token) and a few
-        # sampled tokens after it, every log-prob read: a single token from BOS once came out
-        # finite from weights whose rollouts were NaN
-        vocab = int(self._config.vocab_size)
-        prompt = [self._tokenizer.bos_id] + list(range(vocab))
+        # prompts covering every token id (a broken weight row shows on its own token), each
+        # short enough for the context with a few sampled tokens after it, every log-prob read:
+        # a single token from BOS once came out finite from weights whose rollouts were NaN
+        sampled = 4
+        ids = list(range(int(self._config.vocab_size)))
+        width = max(1, int(self._config.max_position_embeddings) - 1 - sampled)
+        prompts = [[self._tokenizer.bos_id] + ids[i:i + width] for i in range(0, len(ids), width)]
         try:
-            out = self._llm.generate([TokensPrompt(prompt_token_ids=prompt)],
-                                     SamplingParams(max_tokens=4, logprobs=0, prompt_logprobs=0, detokenize=False,
-                                                    seed=0), use_tqdm=False)
+            outs = self._llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                                      SamplingParams(max_tokens=sampled, logprobs=0, prompt_logprobs=0,
+                                                     detokenize=False, seed=0), use_tqdm=False)
         except Exception as exc:
             raise RuntimeError(f"pool {self.spec.name}: vLLM cannot run {precision} on this CPU "
                                f"({type(exc).__name__}: {exc})") from exc
-        done = out[0]
-        values = [lp[t].logprob for lp, t in zip(done.prompt_logprobs[1:], prompt[1:])]
-        values += [lp[t].logprob for lp, t in zip(done.outputs[0].logprobs, done.outputs[0].token_ids)]
+        values = []
+        for prompt, done in zip(prompts, outs):
+            values += [lp[t].logprob for lp, t in zip(done.prompt_logprobs[1:], prompt[1:])]
+            values += [lp[t].logprob for lp, t in zip(done.outputs[0].logprobs, done.outputs[0].token_ids)]
         bad = [v for v in values if not math.isfinite(v)]
         if bad:
             raise RuntimeError(f"pool {self.spec.name}: {precision} engine gives {len(bad)} non-finite log-prob(s) "
