@@ -75,18 +75,17 @@ CLONES int64_t mm_padded_rows(const void *mask, int64_t width, int64_t B, int64_
 }
 
 /* Row b's slots [firsts[b], firsts[b] + counts[b]) of `src` (row b at src + b * row_bytes,
- * slots of `slot_bytes` each) one after the other into `out`. */
+ * slots of `slot_bytes` each) one after the other into `out`, of `out_bytes` (their sum). */
 void mm_gather_runs(const void *src, int64_t slot_bytes, int64_t B, int64_t row_bytes,
-                    const int64_t *restrict counts, const int64_t *restrict firsts, void *out) {
+                    const int64_t *restrict counts, const int64_t *restrict firsts, void *out,
+                    int64_t out_bytes) {
     const char *s = (const char *)src;
     char *o = (char *)out;
 #if defined(MADV_HUGEPAGE)
     {
-        int64_t total = 0;
-        for (int64_t b = 0; b < B; b++) total += counts[b] * slot_bytes;
         const uintptr_t huge = (uintptr_t)2 << 20;
         const uintptr_t lo = ((uintptr_t)o + huge - 1) & ~(huge - 1);
-        const uintptr_t hi = ((uintptr_t)o + (uintptr_t)total) & ~(huge - 1);
+        const uintptr_t hi = ((uintptr_t)o + (uintptr_t)out_bytes) & ~(huge - 1);
         /* advice only: where it is refused the copy below is the same, only slower */
         if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
     }

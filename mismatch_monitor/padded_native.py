@@ -39,7 +39,7 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.mm_padded_rows.argtypes = [_P, _I, _I, _I, _I, _P, _P]
     lib.mm_padded_rows.restype = _I
-    lib.mm_gather_runs.argtypes = [_P, _I, _I, _I, _P, _P, _P]
+    lib.mm_gather_runs.argtypes = [_P, _I, _I, _I, _P, _P, _P, _I]
     lib.mm_gather_runs.restype = None
     return lib
 
@@ -87,5 +87,5 @@ def gather(t: torch.Tensor, counts: np.ndarray, firsts: np.ndarray, n: int) -> t
     out = torch.empty((n, *t.shape[2:]), dtype=t.dtype)
     slot = math.prod(t.shape[2:]) * t.element_size()
     lib.mm_gather_runs(t.data_ptr(), slot, B, t.stride(0) * t.element_size(), counts.ctypes.data,
-                       firsts.ctypes.data, out.data_ptr())
+                       firsts.ctypes.data, out.data_ptr(), n * slot)
     return out
