@@ -131,7 +131,28 @@ class Quantile:
         return ("count",)
 
 
-Formula = Union[Value, Ratio, Variance, StdError, ESS, LogESS, Correlation, Quantile]
+@dataclass(frozen=True)
+class OpposedShift:
+    """Whether the importance weight rho = pi / mu is above 1 on average in one group of tokens
+    and below 1 in another, in standard errors. Per group, from n, d = sum (rho - 1) and
+    q = sum rho^2: t = (d / n) / sqrt(C / (n (n - 1))), C = q - (n + d)^2 / n the centred sum of
+    squares. The value is the smaller |t| of the two, with the sign of t_a, where t_a and t_b
+    have opposite signs; 0 where they share one (or either is 0). NaN (null) below two tokens in
+    either group, and where C is not above twice its rounding bound (3n + 4) 2^-53 q (as for
+    :class:`Correlation`): the sums do not resolve the weights' spread there (rho equal to 1
+    within ~1e-7, as in an exact or an fp32-close pool), and a t would be noise."""
+    sum_dev_a: str
+    sum_rho2_a: str
+    n_a: str
+    sum_dev_b: str
+    sum_rho2_b: str
+    n_b: str
+
+    def fields(self) -> tuple[str, ...]:
+        return (self.sum_dev_a, self.sum_rho2_a, self.n_a, self.sum_dev_b, self.sum_rho2_b, self.n_b)
+
+
+Formula = Union[Value, Ratio, Variance, StdError, ESS, LogESS, Correlation, Quantile, OpposedShift]
 
 UNIT_ROUNDOFF = 2.0 ** -53
 
@@ -148,6 +169,21 @@ def _ess(sum_w: np.ndarray, sum_w2: np.ndarray, n: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         ess = divide(np.square(sum_w), n * sum_w2)
     return np.where(np.isinf(sum_w2) & (n > 0), 1.0 / np.where(n > 0, n, 1.0), ess)
+
+
+def _shift_t(d: np.ndarray, q: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """t of mean(rho - 1) from d = sum (rho - 1), q = sum rho^2 and n (see :class:`OpposedShift`)."""
+    centred = q - n - 2.0 * d - d * divide(d, n)          # q - (n + d)^2 / n, NaN where n = 0
+    resolved = (n >= 2) & (centred > 2.0 * (3.0 * n + 4.0) * UNIT_ROUNDOFF * q)
+    se = np.sqrt(divide(np.where(resolved, centred, np.nan), n * (n - 1.0)))
+    with np.errstate(invalid="ignore"):
+        return np.where(resolved, divide(d, n) / se, np.nan)
+
+
+def _opposed(t_a: np.ndarray, t_b: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore"):
+        smaller = np.sign(t_a) * np.minimum(np.abs(t_a), np.abs(t_b))
+        return np.where(np.isnan(t_a) | np.isnan(t_b), np.nan, np.where(t_a * t_b < 0, smaller, 0.0))
 
 
 def _centred(sx: np.ndarray, sy: np.ndarray, sxy: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -194,6 +230,8 @@ def evaluate(formula: Formula, cols: Columns) -> np.ndarray:
         return _ess(*args)
     if isinstance(formula, Correlation):
         return _correlation(*args)
+    if isinstance(formula, OpposedShift):
+        return _opposed(_shift_t(*args[:3]), _shift_t(*args[3:]))
     if isinstance(formula, LogESS):
         log_sum_w, log_sum_w2, n = args
         ok = n > 0

@@ -14,7 +14,7 @@ from typing import Literal
 
 from .engine.fields import TABLES
 from .engine.histogram import QUANTILES
-from .formulas import ESS, Correlation, Formula, LogESS, Quantile, Ratio, StdError, Value, Variance
+from .formulas import ESS, Correlation, Formula, LogESS, OpposedShift, Quantile, Ratio, StdError, Value, Variance
 
 # "share": a fraction of tokens or sequences in [0, 1]; "ratio": a dimensionless ratio that is
 # not a share (ESS, chi^2, multiplicative error); "log-ratio": in units of lr = log pi - log mu
@@ -77,6 +77,22 @@ METRICS: tuple[Metric, ...] = (
        "standard error of the signed mean log ratio", StdError("sum_lr", "sum_lr2", N)),
     _t("mismatch/log_ratio/min", "log-ratio", "min log ratio", "smallest lr", Value("min_lr")),
     _t("mismatch/log_ratio/max", "log-ratio", "max log ratio", "largest lr", Value("max_lr")),
+    _t("mismatch/sharpness/top_rho_shift", "ratio", "mean ρ - 1, likely tokens",
+       "mean rho - 1 of the tokens in the top sampler-probability bucket (p_S >= the last of lowprob_edges): "
+       "above 0 where the trainer gives the sampler's likely tokens more probability than the sampler did",
+       Ratio("sum_dev_top_p", "n_top_p"), thresholds=("lowprob_edges",)),
+    _t("mismatch/sharpness/low_rho_shift", "ratio", "mean ρ - 1, unlikely tokens",
+       "mean rho - 1 of the tokens below the second-highest sampler-probability edge (p_S < lowprob_edges[-2])",
+       Ratio("sum_dev_low_p", "n_low_p"), thresholds=("lowprob_edges",)),
+    _t("mismatch/sharpness/contrast_t", "ratio", "sharpness contrast (t)",
+       "mean rho - 1 of the likely and of the unlikely tokens on opposite sides of 0, in standard errors: the "
+       "smaller |t| of the two, with the likely tokens' sign; 0 where both share a sign. Positive: the trainer's "
+       "distribution is sharper than the sampler's (a sampler that ignores the temperature, or samples from "
+       "weights older than a sharpening policy); negative: the sampler's is sharper. Numeric noise does not "
+       "push the two ends apart. Null below two tokens at either end, or where rho is 1 to within rounding "
+       "(the sums do not resolve its spread)",
+       OpposedShift("sum_dev_top_p", "sum_rho2_top_p", "n_top_p", "sum_dev_low_p", "sum_rho2_low_p", "n_low_p"),
+       thresholds=("lowprob_edges",)),
     _t("mismatch/abs_log_ratio/mean", "log-ratio", "mean |lr|", "mean |log pi - log mu|", Ratio("sum_abs_lr", N)),
     _t("mismatch/abs_log_ratio/max", "log-ratio", "max |lr|", "largest |lr| (exact)", Value("max_abs_lr")),
     _t("mismatch/mult_prob_error", "ratio", "mult. prob. error", "mean exp(|lr|) >= 1 (NeMo-RL token_mult_prob_error)",

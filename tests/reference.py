@@ -363,6 +363,12 @@ def reference_tables(case: Case, config: MetricConfig) -> dict[str, pd.DataFrame
             row.update(n_kept_logmass=len(kv), sum_kept_logmass=kv.sum())
         else:
             row.update(n_kept_logmass=0, sum_kept_logmass=0.0)
+        # the two ends of the sampler-probability buckets (p_S >= the last edge; p_S < the one before)
+        edges = np.asarray(config.lowprob_edges)
+        end = np.searchsorted(edges, np.exp(v["s"].to_numpy()), side="right")
+        for side, m in (("top_p", end == len(edges)), ("low_p", end < len(edges) - 1)):
+            row.update({f"n_{side}": int(m.sum()), f"sum_dev_{side}": np.expm1(lr[m]).sum(),
+                        f"sum_rho2_{side}": np.exp(2 * lr[m]).sum()})
         rows["tokens"].append(row)
         for b, count in zip(*np.unique(bins.unsigned(lr), return_counts=True)):
             rows["abs_hist"].append(dict(base, bin=int(b), count=int(count)))
@@ -489,6 +495,7 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
             "mismatch/data_quality/nonfinite_tokens": float(g["nonfinite"].sum()),
             "mismatch/data_quality/positive_logprob_tokens": float(g["positive"].sum()),
         })
+        row.update(_reference_sharpness(lr, valid["s"].to_numpy(), config))
         for name, q in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99), ("p999", 0.999)):
             row[f"mismatch/abs_log_ratio/{name}"] = nearest_rank(srt, q) if n else nan
         if case.trainer_experts is not None:
@@ -509,6 +516,30 @@ def reference_metrics(case: Case, config: MetricConfig, by: Sequence[str]) -> pd
         row.update(_reference_seq_metrics(case, config, seqs, by, key))
         out.append(row)
     return pd.DataFrame(out)
+
+
+def _reference_sharpness(lr: np.ndarray, s: np.ndarray, config: MetricConfig) -> dict[str, float]:
+    """The sharpness metrics from the tokens: exp(s) compared with the edges one by one, and the
+    t of mean(rho - 1) from np.std of the weights themselves."""
+    p = np.exp(s)
+    edges = config.lowprob_edges
+    top, low = p >= edges[-1], p < (edges[-2] if len(edges) > 1 else 0.0)
+
+    def t(x: np.ndarray) -> float:
+        w = np.exp(x)
+        n = len(w)
+        spread = float(np.sum(np.square(w - w.mean()))) if n else 0.0
+        if n < 2 or spread <= 2 * (3 * n + 4) * 2.0 ** -53 * float(np.sum(w * w)):
+            return np.nan
+        return float(np.mean(np.expm1(x))) / (float(np.std(w, ddof=1)) / math.sqrt(n))
+    ta, tb = t(lr[top]), t(lr[low])
+    if math.isnan(ta) or math.isnan(tb):
+        contrast = np.nan
+    else:
+        contrast = math.copysign(min(abs(ta), abs(tb)), ta) if ta * tb < 0 else 0.0
+    return {"mismatch/sharpness/top_rho_shift": float(np.mean(np.expm1(lr[top]))) if top.any() else np.nan,
+            "mismatch/sharpness/low_rho_shift": float(np.mean(np.expm1(lr[low]))) if low.any() else np.nan,
+            "mismatch/sharpness/contrast_t": contrast}
 
 
 def reference_probability_metrics(t: np.ndarray, s: np.ndarray) -> dict[str, float]:

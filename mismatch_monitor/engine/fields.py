@@ -37,6 +37,13 @@ TOKEN_FIELDS: tuple[Field, ...] = (
     _f("sum_lr", "sum", "float64", "sum of lr (k1 = -sum_lr / n)"),
     _f("sum_lr2", "sum", "float64", "sum of lr^2 (k2 = sum_lr2 / 2n)"),
     _f("sum_abs_lr", "sum", "float64", "sum of |lr|"),
+    _f("n_top_p", "sum", "int64", "valid tokens in the top sampler-probability bucket (p_S >= lowprob_edges[-1])"),
+    _f("sum_dev_top_p", "sum", "float64", "sum of rho - 1 over those tokens (as sum k3 + sum lr)"),
+    _f("sum_rho2_top_p", "sum", "float64", "sum of rho^2 over those tokens"),
+    _f("n_low_p", "sum", "int64", "valid tokens below the second-highest sampler-probability edge "
+       "(p_S < lowprob_edges[-2]; none with a single edge)"),
+    _f("sum_dev_low_p", "sum", "float64", "sum of rho - 1 over those tokens (as sum k3 + sum lr)"),
+    _f("sum_rho2_low_p", "sum", "float64", "sum of rho^2 over those tokens"),
     _f("sum_k3", "sum", "float64", "sum of rho - 1 - lr, computed as expm1(lr) - lr"),
     _f("sum_exp_abs_lr", "sum", "float64", "sum of exp(|lr|) (multiplicative error)"),
     _f("sum_rho", "sum", "float64", "sum of rho"),

@@ -133,6 +133,7 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
         "n_lr_zero": np_(acc.n_lr_zero[:C]),
         **probability_sums(acc, C, empty),
         "sum_lr": total["lr"], "sum_lr2": total["lr2"], "sum_abs_lr": (by_region["lr"] * joint.sign).sum(1),
+        **sharpness_sums(joint),
         "sum_k3": total["k3"], "sum_exp_abs_lr": total["exp_abs"], "sum_rho": rho.sum(1),
         "sum_rho2": total["rho2"],
         "sum_rho_capped": rho[:, below].sum(1) + cap * n_above,
@@ -156,6 +157,20 @@ def token_table(acc: TokenAccumulators, joint: JointBins, keys: Columns, config:
     idx = np.flatnonzero(keep)
     rows = {k: take_rows(v, idx) for k, v in data.items()}
     return typed_columns("tokens", dims, rows)
+
+
+def sharpness_sums(joint: JointBins) -> dict[str, np.ndarray]:
+    """Count, sum of rho - 1 and sum of rho^2 of the top sampler-probability bucket and of the
+    buckets below the second-highest edge, from the joint bins: the two ends of the
+    distribution, whose mean rho - 1 take opposite signs when one side's distribution is
+    sharper than the other's."""
+    NL = joint.n.shape[1]
+    out = {}
+    for side, buckets in (("top_p", slice(NL - 1, NL)), ("low_p", slice(0, max(NL - 2, 0)))):
+        out[f"n_{side}"] = joint.n[:, buckets].sum((1, 2))
+        out[f"sum_dev_{side}"] = (joint.sums["k3"][:, buckets] + joint.sums["lr"][:, buckets]).sum((1, 2))
+        out[f"sum_rho2_{side}"] = joint.sums["rho2"][:, buckets].sum((1, 2))
+    return out
 
 
 def probability_sums(acc: TokenAccumulators, C: int, empty: np.ndarray) -> dict[str, np.ndarray]:
