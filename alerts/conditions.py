@@ -62,11 +62,15 @@ def _positive(name: str, value: float) -> None:
 
 @dataclass(frozen=True)
 class Compare:
-    """``metric > threshold`` (or ``<``); the alert's value is the metric."""
+    """``metric > threshold`` (or ``<``); the alert's value is the metric. With ``unless``, not
+    where that metric is above ``unless_above`` at the same step (another cause that explains the
+    value: PromQL ``unless`` on the pool's series; a missing or NaN value explains nothing)."""
 
     metric: str
     op: Literal[">", "<"]
     threshold: float
+    unless: str = ""
+    unless_above: float = 0.0
 
     def __post_init__(self) -> None:
         _check_metric(self.metric)
@@ -74,25 +78,35 @@ class Compare:
             raise ValueError(f"expected op '>' or '<', got {self.op!r}")
         if not math.isfinite(self.threshold):
             raise ValueError(f"expected a finite threshold, got {self.threshold}")
+        if self.unless:
+            _check_metric(self.unless)
+        if not math.isfinite(self.unless_above):
+            raise ValueError(f"expected a finite unless_above, got {self.unless_above}")
 
     @property
     def metrics(self) -> tuple[str, ...]:
-        return (self.metric,)
+        return (self.metric, self.unless) if self.unless else (self.metric,)
 
     @property
     def windows(self) -> dict[str, int]:
         return {}
 
     def explain(self) -> str:
-        return f"`{self.metric}` {self.op} {self.threshold:g}"
+        out = f"`{self.metric}` {self.op} {self.threshold:g}"
+        return out + (f", unless `{self.unless}` > {self.unless_above:g}" if self.unless else "")
 
     def promql(self, scope: Scope, step_seconds: float) -> Expression:
-        return Expression(f"{_series(self.metric, scope)} {self.op} {number(self.threshold)}")
+        expr = f"{_series(self.metric, scope)} {self.op} {number(self.threshold)}"
+        if self.unless:
+            expr += f" unless {_series(self.unless, scope)} > {number(self.unless_above)}"
+        return Expression(expr)
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         x = now.get(self.metric)
         with np.errstate(all="ignore"):
             hit = x > self.threshold if self.op == ">" else x < self.threshold
+            if self.unless:
+                hit &= ~(now.get(self.unless) > self.unless_above)
         return np.where(hit, x, np.nan)
 
 

@@ -217,9 +217,32 @@ ABOVE_EXPECTED = AlertRule(
              "back, check the pool's quantization and engine flags against run.json."),
 )
 
+SHARPNESS_SHIFT = AlertRule(
+    name="MismatchSharperTrainer",
+    # one-sided: noise in the sampler's logits makes the sampler look sharper (the tokens it finds likely are,
+    # on average, ones it overrates), so a noisier sampler pushes the contrast below 0; the sampler at
+    # temperature 1 while the trainer divides by T < 1 pushes it above (docs/ALERTS.md: measured on both)
+    # a lagging pool's trainer has moved since it sampled, which looks the same (measured: up to 6 standard
+    # errors on the simulator's one-step-stale pool); its staleness explains it, and MismatchStalenessHigh judges it
+    condition=Compare("mismatch/sharpness/contrast_t", ">", 4.0, unless="mismatch/staleness/max", unless_above=0.0),
+    severity="critical",
+    fix="sampling_params",
+    summary="Pool {pool}'s trainer is sharper than its sampler ({value} standard errors): check its temperature",
+    description=("In pool {pool} the trainer gives the tokens the sampler found likely (top sampler-probability "
+                 "bucket) more probability than the sampler did, and the unlikely ones (below the second-highest "
+                 "edge) less, each {value} standard errors or more from no shift (threshold {threshold}): the "
+                 "trainer's distribution is sharper than the sampler's. No history is needed: this holds from the "
+                 "pool's first step."),
+    runbook=("The sampler samples at another temperature than the trainer scores at: check that {pool} receives "
+             "the temperature (a sampler that ignores it samples at 1), and that its log-probs are of the "
+             "distribution it sampled (vLLM: logprobs_mode='processed_logprobs'; 'raw_logprobs' reports "
+             "temperature-1 log-probs). A pool that lags a policy that sharpens looks the same: check its staleness "
+             "and resync if it lags."),
+)
+
 DEFAULT_RULES: tuple[AlertRule, ...] = (
     TAIL_GROWTH, KL_SPIKE, LOW_ESS, DRIFT, EXTREME_SHARE_RISE, ROUTING_FLIP_RISE, STALENESS_HIGH,
-    POOL_OUTLIER, NON_FINITE, STEP_JUMP, ABOVE_EXPECTED,
+    POOL_OUTLIER, NON_FINITE, STEP_JUMP, ABOVE_EXPECTED, SHARPNESS_SHIFT,
 )
 
 # Opt-in, for setups that claim bitwise agreement (batch-invariant kernels, the same engine on

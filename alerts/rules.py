@@ -33,10 +33,10 @@ Condition = (Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools
 
 Severity = Literal["info", "warning", "critical"]
 Fix = Literal["resync", "cap_per_pool", "discard_long_rollouts", "routing_replay", "fp32_head",
-              "mask_replay", "batch_invariant_kernels"]
+              "mask_replay", "batch_invariant_kernels", "sampling_params"]
 SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
 FIXES: tuple[str, ...] = ("resync", "cap_per_pool", "discard_long_rollouts", "routing_replay",
-                          "fp32_head", "mask_replay", "batch_invariant_kernels")
+                          "fp32_head", "mask_replay", "batch_invariant_kernels", "sampling_params")
 FLEET_NAME = "the fleet"
 
 
