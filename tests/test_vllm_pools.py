@@ -73,7 +73,7 @@ def probe(sim, tmp_path_factory):
     assert sim.trainer.version == 0
     pools = (vllm_pool("fp32", "fp32"), vllm_pool("fp16", "fp16"), vllm_pool("bf16", "bf16"),
              vllm_pool("int8", "int8"), vllm_pool("fp8", "fp8_e4m3"), vllm_pool("int4", "int4"),
-             vllm_pool("topp", "bf16", top_p=0.8))
+             vllm_pool("topp", "bf16", top_p=0.8), vllm_pool("raw", "bf16", logprobs_mode="raw_logprobs"))
     gen = torch.Generator().manual_seed(11)
     episodes = sim.config.task.sample(PROBE_EPISODES, gen, sim.config.alphabet)
     batch = sim.probe(pools, episodes, seed=3)
@@ -118,7 +118,27 @@ def test_engines_report_what_they_applied(probe):
     else:                                                            # it has not: said so, not hidden
         assert int4["checkpoint"] == "int4_dequantized" and int4["quantization"] == pool_module.INT4_FALLBACK, int4
         assert int4["quantized_layers"] == 0 and "wna16" in int4["engine_refused"], int4
-    assert {e["logprobs_mode"] for e in engines.values()} == {"processed_logprobs"}
+    assert {p: e["logprobs_mode"] for p, e in engines.items() if e["logprobs_mode"] != "processed_logprobs"} \
+        == {"raw": "raw_logprobs"}
+
+
+def test_raw_logprobs_at_a_temperature_below_1_fire_the_sharpness_gate(probe, sim):
+    """vLLM's default log-probs are of the temperature-1 distribution, whatever it sampled at: at the
+    simulator's temperature (below 1) the trainer, which scores at that temperature, is sharper than
+    what the pool reports, and the sharpness gate fires on that pool's first step; the pools whose
+    log-probs are of what they sampled, every format among them, stay below the threshold."""
+    from mismatch_monitor.alerts.definitions import SHARPNESS_SHIFT
+
+    report, _ = probe
+    assert sim.config.temperature < 1.0
+    contrast = {p: pool_report(report, p, "sharpness/contrast_t")
+                for p in ("fp32", "fp16", "bf16", "int8", "fp8", "int4", "topp", "raw")}
+    threshold = SHARPNESS_SHIFT.condition.threshold
+    print(contrast)
+    assert contrast["raw"] > threshold, contrast
+    assert not any(v > threshold for p, v in contrast.items() if p != "raw"), contrast   # NaN: unresolved
+    assert pool_report(report, "raw", "sharpness/top_rho_shift") > 0 > pool_report(
+        report, "raw", "sharpness/low_rho_shift")
 
 
 @pytest.fixture(scope="module")

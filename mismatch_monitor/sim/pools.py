@@ -86,6 +86,10 @@ class PoolSpec:
             ``VLLM_PRECISIONS``, the policy's head_dim must be >= 32 for vLLM's CPU attention).
         kv_cache_dtype: vLLM's KV-cache format (``auto`` = the compute dtype; ``fp8_e4m3`` /
             ``fp8_e5m2`` need AVX-512 or AMX on the CPU).
+        logprobs_mode: what the vLLM engine reports as a token's log-prob: ``processed_logprobs``
+            (of the distribution it sampled, after temperature and truncation) or vLLM's own
+            default ``raw_logprobs`` (of the model's temperature-1 distribution, whatever it
+            sampled at: a misconfiguration the sharpness metrics catch).
     """
 
     name: str
@@ -103,6 +107,7 @@ class PoolSpec:
     faults: tuple[FaultSpec, ...] = ()
     backend: Backend = "torch"
     kv_cache_dtype: str = "auto"
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "faults", tuple(self.faults))
@@ -136,8 +141,9 @@ class PoolSpec:
             raise ValueError(f"expected backend 'torch' or 'vllm', got {self.backend!r}")
         if self.backend == "vllm":
             self._check_vllm()
-        elif self.kv_cache_dtype != "auto" or any(f.kind == "sync_no_reset" for f in self.faults):
-            raise ValueError(f"pool {self.name}: kv_cache_dtype and sync_no_reset need backend='vllm'")
+        elif (self.kv_cache_dtype != "auto" or self.logprobs_mode != "processed_logprobs"
+              or any(f.kind == "sync_no_reset" for f in self.faults)):
+            raise ValueError(f"pool {self.name}: kv_cache_dtype, logprobs_mode and sync_no_reset need backend='vllm'")
 
     def _check_vllm(self) -> None:
         if self.precision not in VLLM_PRECISIONS:
@@ -146,6 +152,8 @@ class PoolSpec:
             raise ValueError(f"pool {self.name}: lm_head, decode_batch and ship_kept_set are torch-pool options")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
             raise ValueError(f"expected kv_cache_dtype in ('auto', 'fp8_e4m3', 'fp8_e5m2'), got {self.kv_cache_dtype!r}")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"expected logprobs_mode 'processed_logprobs' or 'raw_logprobs', got {self.logprobs_mode!r}")
         if self.precision == "int8" and any(f.kind == "sync_no_reset" for f in self.faults):
             raise ValueError(f"pool {self.name}: an int8 vLLM pool syncs by restarting its engine (a fresh, "
                              "empty prefix cache), so sync_no_reset cannot happen to it")
@@ -191,6 +199,8 @@ class PoolSpec:
         parts = [self.engine] + ([self.attention] if self.backend == "torch" else [])
         if self.kv_cache_dtype != "auto":
             parts.append(f"kv-{self.kv_cache_dtype}")
+        if self.logprobs_mode != "processed_logprobs":
+            parts.append(self.logprobs_mode.replace("_", "-"))
         if self.decode_batch is not None:
             parts.append(f"bs{self.decode_batch}")
         if self.top_p < 1.0:

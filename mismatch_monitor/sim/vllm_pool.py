@@ -8,7 +8,9 @@ weights_iterator=...)`` followed by ``reset_prefix_cache()``. A sync can skip th
 fleet fault: prompts whose prefix is cached keep the old weights' KV).
 
 Log-probs are vLLM's ``processed_logprobs`` of each sampled token: after temperature, top-k and
-top-p, renormalised over the kept set (what TRL's colocate mode uses). With a MoE policy each
+top-p, renormalised over the kept set (what TRL's colocate mode uses); a pool with
+``logprobs_mode="raw_logprobs"`` reports vLLM's default instead, the temperature-1 log-probs
+of whatever it sampled (the misconfiguration ``MismatchSharperTrainer`` catches). With a MoE policy each
 token also carries the experts the engine's routers chose for the position that produced it
 (``vllm_routing``; the pool then generates one request at a time). vllm is imported only in
 this module, on the first engine.
@@ -188,7 +190,7 @@ class VllmPoolSampler:
                              kv_cache_dtype=self.spec.kv_cache_dtype, enforce_eager=True,
                              kv_cache_memory_bytes=KV_CACHE_BYTES, block_size=BLOCK_SIZE,
                              max_model_len=self._config.max_position_embeddings,
-                             logprobs_mode="processed_logprobs", seed=0, disable_log_stats=True)
+                             logprobs_mode=self.spec.logprobs_mode, seed=0, disable_log_stats=True)
         seconds = time.perf_counter() - t0
         _LIVE.add(id(self._llm))
         moe = getattr(self._config, "model_type", None) == "qwen3_moe"
