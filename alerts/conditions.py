@@ -71,6 +71,7 @@ class Compare:
     threshold: float
     unless: str = ""
     unless_above: float = 0.0
+    clear_at: float | None = None   # a firing alert stays until the metric is at or past it (hysteresis)
 
     def __post_init__(self) -> None:
         _check_metric(self.metric)
@@ -82,6 +83,9 @@ class Compare:
             _check_metric(self.unless)
         if not math.isfinite(self.unless_above):
             raise ValueError(f"expected a finite unless_above, got {self.unless_above}")
+        if self.clear_at is not None and not (math.isfinite(self.clear_at) and (
+                self.clear_at < self.threshold if self.op == ">" else self.clear_at > self.threshold)):
+            raise ValueError(f"expected a finite clear_at on the healthy side of {self.threshold}, got {self.clear_at}")
 
     @property
     def metrics(self) -> tuple[str, ...]:
@@ -93,13 +97,19 @@ class Compare:
 
     def explain(self) -> str:
         out = f"`{self.metric}` {self.op} {self.threshold:g}"
-        return out + (f", unless `{self.unless}` > {self.unless_above:g}" if self.unless else "")
+        out += f", unless `{self.unless}` > {self.unless_above:g}" if self.unless else ""
+        return out + (f"; stays until {'<=' if self.op == '>' else '>='} {self.clear_at:g}"
+                      if self.clear_at is not None else "")
 
     def promql(self, scope: Scope, step_seconds: float) -> Expression:
-        expr = f"{_series(self.metric, scope)} {self.op} {number(self.threshold)}"
+        series = _series(self.metric, scope)
+        expr = f"{series} {self.op} {number(self.threshold)}"
         if self.unless:
             expr += f" unless {_series(self.unless, scope)} > {number(self.unless_above)}"
-        return Expression(expr)
+        if self.clear_at is None:
+            return Expression(expr)
+        return Expression(expr, statistic=series, clear=f"{series} {'<=' if self.op == '>' else '>='} "
+                                                        f"{number(self.clear_at)}")
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         x = now.get(self.metric)
@@ -108,6 +118,17 @@ class Compare:
             if self.unless:
                 hit &= ~(now.get(self.unless) > self.unless_above)
         return np.where(hit, x, np.nan)
+
+    def statistic(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        return now.get(self.metric)
+
+    def clears(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        """Where a firing alert resolves: everywhere without ``clear_at`` (no hysteresis)."""
+        x = now.get(self.metric)
+        if self.clear_at is None:
+            return np.ones(len(x), dtype=bool)
+        with np.errstate(all="ignore"):
+            return x <= self.clear_at if self.op == ">" else x >= self.clear_at
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,9 @@ INCIDENTS: tuple[Incident, ...] = (
     Incident("MismatchNonFiniteLogprobs", "tpu", "mismatch/data_quality/nonfinite_tokens", 3.0, range(75, 76)),
     # the synchronous pool's sampler stops applying the temperature after its gap; the same contrast on a
     # stale pool (int4) is explained by its lag and stays silent
-    Incident("MismatchSharperTrainer", "tpu", "mismatch/sharpness/contrast_t", 7.0, range(84, 87)),
+    Incident("MismatchSharperTrainer", "tpu", "mismatch/sharpness/contrast_t", 7.0, range(84, 86)),
+    # ... a step whose contrast dips under the threshold but not to 0: still firing (it clears at 0)
+    Incident("MismatchSharperTrainer", "tpu", "mismatch/sharpness/contrast_t", 2.0, range(86, 87)),
     Incident("MismatchSharperTrainer", "int4", "mismatch/sharpness/contrast_t", 7.0, range(84, 87), silent=True),
 )
 ABSENT: dict[str, range] = {"tpu": range(80, 83)}   # a pool that logs nothing for a while

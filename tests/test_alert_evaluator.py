@@ -245,5 +245,9 @@ def test_condition_validation_and_unique_names():
         Compare("mismatch/nope", ">", 1.0)
     with pytest.raises(ValueError, match="min_points <= window_steps"):
         GrowthOverBaseline(KEY, 2.0, 5, 6, 0.0)
+    with pytest.raises(ValueError, match="clear_at on the healthy side of 1.0"):
+        Compare(KEY, ">", 1.0, clear_at=2.0)
+    with pytest.raises(ValueError, match="expected a metric key"):
+        Compare(KEY, ">", 1.0, unless="mismatch/nope")
     with pytest.raises(ValueError, match="unique alert names"):
         AlertEvaluator((DEFAULT_RULES[0], DEFAULT_RULES[0]))
