@@ -38,6 +38,9 @@ DRIFT = ("mismatch/log_ratio/mean", "mismatch/log_ratio/std_error")
 HEADLINE: tuple[str, ...] = (K3, P99, MAX_ABS, ESS, EXTREME, FLIPS)
 BANDS: tuple[str, ...] = tuple(f"mismatch/abs_log_ratio/{name}" for name, _ in QUANTILES) + (MAX_ABS,)
 STALENESS = "mismatch/staleness/mean"
+# the likely and unlikely tokens' mean rho - 1 and the contrast between them (the sharpness gate's metric)
+SHARPNESS: tuple[str, ...] = ("mismatch/sharpness/contrast_t", "mismatch/sharpness/top_rho_shift",
+                              "mismatch/sharpness/low_rho_shift")
 # staleness among them: an async pool that stops syncing shows there first
 POOL_DEFAULT: tuple[str, ...] = (K3, P99, MAX_ABS, ESS, EXTREME, STALENESS, "mismatch/log_ratio/mean",
                                  "mismatch/clip_high_fraction", FLIPS)
@@ -160,6 +163,8 @@ def lowprob(con: Con, run_dir: Path, *, window: int | None, max_points: int, poo
     totals = query.lowprob_series(con, run_dir, [], first=span.first, width=span.last - span.first + 1, **kw)
     out["totals"] = totals.assign(share=totals["n_tokens"] / totals["n_tokens"].sum())
     out["config"] = query.run_config(run_dir)
+    out["sharpness"] = query.metric_series_binned(con, run_dir, ["pool"], first=span.origin, width=span.width,
+                                                  metrics=SHARPNESS, **kw)
     return out
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
+from mismatch_monitor.alerts.definitions import SHARPNESS_SHIFT
 from mismatch_monitor.app import data, figures, heatmaps, layout, loaders, state, tables
+from mismatch_monitor.metrics import METRIC_BY_KEY
 
 view = state.current()
 
@@ -38,5 +40,19 @@ if layout.page_header("Low-probability buckets", view, "Mean |log ρ| and k3 per
         st.dataframe(tables.styled(totals[["bucket", "n_tokens", "share", "mean_abs_lr", "k3_kl"]],
                                    empty={"share": "no tokens", "mean_abs_lr": "no tokens", "k3_kl": "no tokens"},
                                    titles={"share": "share of tokens"}), hide_index=True, width="stretch")
+        sharpness(d["sharpness"], span)
+
+    def sharpness(series, span) -> None:
+        contrast = loaders.SHARPNESS[0]
+        st.subheader("Sharpness contrast: is the trainer sharper than the sampler?")
+        st.caption(f"{METRIC_BY_KEY[contrast].description}. `{SHARPNESS_SHIFT.name}` fires above "
+                   f"{SHARPNESS_SHIFT.threshold:g} on a pool that does not lag.")
+        if not series[contrast].notna().any():
+            layout.empty("No contrast in the steps shown: a pool needs two tokens at each end with a resolved "
+                         "spread of ρ, and runs written before the sharpness fields have none.")
+            return
+        layout.chart(figures.line_figure(series, contrast, group="pool", x=view.x, width=span.width,
+                                         y_title="contrast (standard errors)", y_scale="linear"),
+                     key="lowprob_sharpness", events=layout.marks(view, span))
 
     layout.live(body, view)

@@ -203,3 +203,36 @@ def test_compare_page_flags_the_pool_the_upgrade_changed(monkeypatch, runs: Dash
     assert p99["flagged"] == "⚠" and p99["b"] < p99["a"]    # the grown fp8 tail is gone after the upgrade
     assert set(table.loc[table["flagged"] == "", "rel"].abs().dropna()) <= set(
         table["rel"].abs()[table["rel"].abs() < 0.5])
+
+
+def test_lowprob_page_draws_each_pools_sharpness_contrast_as_the_reference_has_it(monkeypatch, runs: DashboardRoot
+                                                                                  ) -> None:
+    import plotly.io as pio
+
+    at = open_page(monkeypatch, runs.root, PAGE["lowprob"], "fleet")
+    assert any("Sharpness contrast" in s.value for s in at.subheader)
+    found = [c for c in charts(at) if c.proto.id.endswith("-lowprob_sharpness")]
+    assert len(found) == 1
+    fig = pio.from_json(found[0].proto.spec)                 # arrays decoded as the browser does
+    from test_dashboard_run_events import array
+
+    drawn = {t.name: dict(zip(array(t.x), array(t.y))) for t in fig.data if t.y is not None}
+    checked = 0
+    for step, case in runs.fleet.cases.items():
+        want = reference_metrics(case, CONFIG, by=["pool"]).set_index("pool")["mismatch/sharpness/contrast_t"]
+        for pool, value in want.items():
+            got = drawn.get(str(pool), {}).get(step)
+            if np.isnan(value):
+                assert got is None or np.isnan(got), (step, pool, got)
+            else:
+                assert math.isclose(got, value, rel_tol=1e-9, abs_tol=1e-12), (step, pool, got, value)
+                checked += value != 0.0
+    assert checked > 0            # some step has a non-zero contrast to compare
+
+
+def test_lowprob_page_says_a_run_written_before_the_sharpness_fields_has_no_contrast(monkeypatch) -> None:
+    run = "stable_fleet"
+    if run not in SAMPLE_RUNS:
+        pytest.skip(f"the sample run {run} is not in sample_data/")
+    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["lowprob"], run)
+    assert any("before the sharpness fields" in i.value for i in at.info)
