@@ -71,16 +71,16 @@ def small_disk(tmp_path: Path):
         filler = disk / "filler"
 
         def fill(self) -> None:
-            with open(self.filler, "ab") as fh:
+            # unbuffered: a buffered file keeps the bytes a short write left and raises at close
+            with open(self.filler, "ab", buffering=0) as fh:
                 try:
                     while True:
                         fh.write(b"\0" * 65536)
-                        fh.flush()
                 except OSError:
                     pass
             while True:                       # the last partial block too
                 try:
-                    with open(self.filler, "ab") as fh:
+                    with open(self.filler, "ab", buffering=0) as fh:
                         fh.write(b"\0" * 512)
                 except OSError:
                     break
