@@ -54,6 +54,17 @@ def test_summary_shows_latest_step_per_pool(run):
     assert "worst slices at step 3" in out
 
 
+def test_summary_names_an_empty_pool_name_as_the_labels_write_it(tmp_path):
+    run = tmp_path / "run"
+    with MismatchCollector(run, flush_every_steps=1) as mc:
+        mc.log_step(0, make_batch(0, pools=("", "bf16")))
+    code, out = _run("summary", str(run))
+    assert code == 0
+    rows = out.split("per pool:")[1].splitlines()
+    assert any(line.startswith("%empty ") for line in rows), out
+    assert "pool=%empty len>=" in out and "pool= " not in out, out
+
+
 def test_export_csv_equals_query_layer(run, tmp_path):
     target = tmp_path / "k3.csv"
     code, _ = _run("export", str(run), "--metric", "k3_kl", "--metric", "abs_log_ratio/p99",

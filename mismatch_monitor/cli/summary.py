@@ -14,6 +14,7 @@ from .. import query
 from ..metrics import format_of
 from ..query.events import resync_effects, run_events, run_outcomes
 from ..store.event_log import EVENT_KINDS
+from ..label_text import label_text
 from ..store import read_run_info, run_status
 
 # (metric key, column title, format): each value in its declaration's format (metrics.format_of)
@@ -24,6 +25,13 @@ POOL_COLUMNS: tuple[tuple[str, str, str], ...] = tuple((key, title, "{:" + forma
     ("mismatch/extreme_fraction", "extreme"), ("mismatch/routing/flip_rate", "flips"),
 ))
 SLICE_KEYS = ("pool", "length_bucket", "turn_bucket")
+
+
+def _pool(value, missing: str = "(none)") -> str:
+    """A pool's name as the labels write it (an empty name shows as such, never as blank)."""
+    return missing if pd.isna(value) else label_text(value)
+
+
 EVENTS_LISTED = 10   # the latest weight syncs, resumes and resyncs listed by default
 RESYNC_METRIC = "mismatch/k3_kl"   # what a resync's effect is read on
 
@@ -43,7 +51,7 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def _slice_name(row: pd.Series) -> str:
-    parts = [f"pool={'(none)' if pd.isna(row['pool']) else row['pool']}", f"len>={row['length_bucket']}"]
+    parts = [f"pool={_pool(row['pool'], '(none)')}", f"len>={row['length_bucket']}"]
     if not pd.isna(row["turn_bucket"]):           # null when the run has no turn indices
         parts.append(f"turn>={row['turn_bucket']}")
     return " ".join(parts)
@@ -72,7 +80,7 @@ def _print_events(events: pd.DataFrame, latest: int) -> None:
     print("weight events: " + ", ".join(f"{int(counts[k])} {k}" for k in EVENT_KINDS if k in counts)
           + (f" (the latest {latest}):" if len(events) > latest else ":"))
     for _, e in events.tail(latest).iterrows():
-        pool = "every pool" if pd.isna(e["pool"]) else f"pool {e['pool']}"
+        pool = "every pool" if pd.isna(e["pool"]) else f"pool {_pool(e['pool'])}"
         version = "" if pd.isna(e["version"]) else f", version {e['version']}"
         print(f"  step {e['step']}: {e['kind']} ({pool}{version})" + (f": {e['message']}" if e["message"] else ""))
 
@@ -82,7 +90,7 @@ def _print_resync_effects(effects: pd.DataFrame, latest: int) -> None:
         return
     pattern = "{:" + format_of(RESYNC_METRIC) + "}"
     print(f"\nresyncs, the pool's k3 KL before -> from the resync on (the latest {min(latest, len(effects))}):")
-    rows = [[str(e["step"]), "(every pool)" if pd.isna(e["pool"]) else e["pool"],
+    rows = [[str(e["step"]), _pool(e["pool"], "(every pool)"),
              _fmt(e["before"], pattern) + ("" if pd.isna(e["before_step"]) else f" @{e['before_step']}"),
              _fmt(e["after"], pattern) + ("" if pd.isna(e["after_step"]) else f" @{e['after_step']}")]
             for _, e in effects.tail(latest).iterrows()]
@@ -95,7 +103,7 @@ def _print_outcomes(outcomes: pd.DataFrame) -> None:
     last = outcomes.groupby(["name", "pool"], dropna=False, sort=False).tail(1)   # sorted by step
     last = last.sort_values(["name", "pool"], na_position="first", kind="stable")
     print("\ntraining outcomes, the last value of each:")
-    rows = [[o["name"], "(whole batch)" if pd.isna(o["pool"]) else o["pool"], str(o["step"]),
+    rows = [[o["name"], _pool(o["pool"], "(whole batch)"), str(o["step"]),
              f"{o['value']:.6g}"] for _, o in last.iterrows()]
     print(format_table(["outcome", "pool", "step", "value"], rows))
 
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for _, r in by_pool.iterrows():
         meta = info.get("pools", {}).get(r["pool"], {}) if not pd.isna(r["pool"]) else {}
-        name = str(r["pool"]) if not pd.isna(r["pool"]) else "(no pool)"
+        name = _pool(r["pool"], "(no pool)")
         hw = "/".join(str(meta[k]) for k in ("hardware", "precision") if k in meta)
         rows.append([name + (f" [{hw}]" if hw else "")] + [_fmt(r[k], f) for k, _, f in POOL_COLUMNS])
     print(format_table(["pool"] + [t for _, t, _ in POOL_COLUMNS], rows))
@@ -154,5 +162,5 @@ def run(args: argparse.Namespace) -> int:
         firing = latest_state[latest_state["state"] == "firing"]
         print(f"\nalerts firing: {len(firing)}")
         for _, a in firing.iterrows():
-            print(f"  [{a['severity']}] {a['alert']} pool={a['pool']} since step {a['step']}: {a['summary']}")
+            print(f"  [{a['severity']}] {a['alert']} pool={_pool(a['pool'])} since step {a['step']}: {a['summary']}")
     return 0
