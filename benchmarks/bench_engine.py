@@ -370,6 +370,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.memory_child:
         return memory_child(args.memory_child)
+    if args.naive_cells < 1:
+        ap.error(f"--naive-cells must be at least 1 (got {args.naive_cells}): the naive baseline times that many cells")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.device != "cpu":
         import engine_device

@@ -134,7 +134,6 @@ def test_raw_logprobs_at_a_temperature_below_1_fire_the_sharpness_gate(probe, si
     contrast = {p: pool_report(report, p, "sharpness/contrast_t")
                 for p in ("fp32", "fp16", "bf16", "int8", "fp8", "int4", "topp", "raw")}
     threshold = SHARPNESS_SHIFT.condition.threshold
-    print(contrast)
     assert contrast["raw"] > threshold, contrast
     assert not any(v > threshold for p, v in contrast.items() if p != "raw"), contrast   # NaN: unresolved
     assert pool_report(report, "raw", "sharpness/top_rho_shift") > 0 > pool_report(
