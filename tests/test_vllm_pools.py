@@ -3,9 +3,9 @@
 One warm start for the module (``sim``: the faulted fleet, whose engines stay up while the probe
 starts and stops one engine per format beside them); every pool is a real vLLM engine started
 from the trainer's weights. What is checked: each format's mismatch against the fp32 trainer, on the same
-prompts, orders fp32 < fp16 < bf16 < (int8, fp8) and fp8 < int4, and fp32 is at rounding level
-(int8 is not placed against fp8 and int4: on an AVX2 CPU vLLM's oneDNN int8 matmul errs several
-times more than the W8A8 format itself, docs/SIMULATOR.md); a truncated
+prompts, orders fp32 < fp16 < bf16 < fp8 < int4 with int8 well above fp16, and fp32 is at rounding
+level (int8 is not placed against bf16, fp8 and int4: its level is the CPU's int8 kernel's, at
+int4's on AVX2 and at bf16's on AVX-512 VNNI, docs/SIMULATOR.md); a truncated
 pool's processed log-probs agree with the trainer's own renormalised top-p distribution; the
 engine reports the quantization it applied (int4 without a W4A16 kernel says it ran the int4 grid
 dequantized in bf16); a smoothed int8 checkpoint serves; a skipped sync and a sync without the prefix-cache
@@ -86,10 +86,12 @@ def probe(sim, tmp_path_factory):
 def test_k3_orders_the_formats_and_fp32_is_rounding(probe):
     report, _ = probe
     k3 = {p: pool_report(report, p, "k3_kl") for p in ("fp32", "fp16", "bf16", "int8", "fp8", "int4")}
-    # the issue's order is fp32 < fp16 < bf16 < int8 < fp8 < int4; int8 is left out of the chain:
-    # on an AVX2 CPU vLLM's int8 W8A8 runs through oneDNN, whose per-layer error is 5-7x the W8A8
-    # format's own (measured against exact fp32 products), which puts int8 at int4's level
-    assert k3["fp32"] < k3["fp16"] < k3["bf16"] < min(k3["int8"], k3["fp8"]), k3
+    # the issue's order is fp32 < fp16 < bf16 < int8 < fp8 < int4; int8 is left out of the chain
+    # but for its floor: its level depends on the CPU's oneDNN kernel. On an AVX2 CPU the per-layer
+    # error is 5-7x the W8A8 format's own (measured against exact fp32 products), which puts int8 at
+    # int4's level; on an AVX-512 VNNI CPU int8 measured 0.96x bf16 and 0.22x int4 (4.12e-4; 4.31e-4, 1.86e-3)
+    assert k3["fp32"] < k3["fp16"] < k3["bf16"] < k3["fp8"], k3
+    assert 10 * k3["fp16"] < k3["int8"], k3                  # 380x here: an 8-bit format, not fp16
     assert k3["fp8"] < k3["int4"], k3
     assert k3["fp32"] < 1e-9, k3                        # same weights, fp32 both sides: rounding only
     assert pool_report(report, "fp32", "abs_log_ratio/max") < 1e-3
