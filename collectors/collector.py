@@ -41,6 +41,7 @@ from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # no
 from .distributed import DistributedReducer, distributed_world, launched_world
 from .error_keeping import ErrorKeeping
 from .errors import ErrorLog
+from .fingerprints import check_fingerprint_call
 from .run_log import RunLog, check_event_call, check_outcomes_call
 from .versions import event_applied
 
@@ -226,17 +227,22 @@ class MismatchCollector(ErrorKeeping):
 
     # ------------------------------------------------------------------ events and outcomes
     def log_event(self, kind: str, *, step: int | None = None, pool: str | None = None,
-                  version: int | None = None, message: str = "", applied: bool = True) -> None:
+                  version: int | None = None, message: str = "", applied: bool = True,
+                  fingerprint: str | None = None, trainer_fingerprint: str | None = None) -> None:
         """Record a ``"weight_sync"``, ``"resume"``, ``"resync"`` or ``"resync_request"`` in the
         run's ``events`` table. ``step``: the first step whose batches come after it (None: the
         step after the last one logged); ``pool``: None for every pool; ``version``: the weight
         version now in place (``run_log.py`` says what raises and what is counted);
         ``applied=False``: a push of ``version`` that did not land (``versions.py``: staleness is
-        then counted from the version last applied)."""
+        then counted from the version last applied). ``fingerprint`` / ``trainer_fingerprint``
+        (``mismatch_monitor.fingerprint.weights_fingerprint`` of what the pool loaded / of what
+        the trainer pushed): a pool found on other weights than ``version``'s is recorded as
+        such (``fingerprints.py``)."""
         check_event_call(kind, step, pool, version, message)   # a mistake in the call raises
         event_applied(kind, applied)
+        check_fingerprint_call(kind, version, fingerprint, trainer_fingerprint)
         self.resolve_reducer()
-        self.run_log.event(kind, step, pool, version, message, applied)
+        self.run_log.sync(kind, step, pool, version, message, applied, fingerprint, trainer_fingerprint)
 
     def log_outcomes(self, step: int, values: Mapping[str, float], *, pool: str | None = None) -> None:
         """Record training outcomes of ``step`` (``{"reward": ..., "loss": ..., "grad_norm": ...,

@@ -30,6 +30,7 @@ from mismatch_monitor.store import RunWriter
 from mismatch_monitor.store.event_log import EVENT_KINDS
 
 from .checks import MAX_STEP, checked_step
+from .fingerprints import WeightFingerprints
 from .versions import WeightVersions, not_applied_message
 
 # the collector's error sink: (what failed, the error, its step, wall time)
@@ -136,6 +137,7 @@ class RunLog:
         self._last_step: int | None = None
         self._resume: str | None = None           # a reopened run's resume, recorded at its first step
         self.versions = WeightVersions()          # what the sync events say was applied (versions.py)
+        self.fingerprints = WeightFingerprints()  # which version's weights a pool holds (fingerprints.py)
 
     def attach(self, writer: RunWriter) -> None:
         self._writer = writer
@@ -159,6 +161,16 @@ class RunLog:
             if len(index):                        # a continued run: its latest step
                 self._last_step = int(index.sort_values("wall_time", kind="stable")["step"].iloc[-1])
         return 0 if self._last_step is None else self._last_step + 1
+
+    def sync(self, kind: str, step: int | None, pool: str | None, version: int | None, message: str,
+             applied: bool, fingerprint: str | None, trainer_fingerprint: str | None) -> None:
+        """Store an event whose fingerprints (if any) may say the pool holds other weights."""
+        at = self.next_step() if step is None else step
+        resolved = self.fingerprints.resolve(pool, version, applied, message, fingerprint, trainer_fingerprint, at)
+        for held, ok, text in resolved.events:
+            self.event(kind, at, pool, held, text, ok)
+        if resolved.error is not None:
+            self._bad(f"the {kind} of step {at}", resolved.error, at, self._clock())
 
     def event(self, kind: str, step: int | None, pool: str | None, version: int | None,
               message: str, applied: bool = True) -> dict[str, Any] | None:
