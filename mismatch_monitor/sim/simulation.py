@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 import torch
 
 from ..batch import TokenBatch
+from ..fingerprint import weights_fingerprint
 from .batching import Padded, pad_rollouts, token_batch, trainer_token_logprobs
 from .config import SimConfig
 from .evaluation import Evaluator
@@ -98,6 +99,7 @@ class Simulation:
         self._initial_state = self.trainer.state()    # what a wrong_weights fault sends
         self.samplers = {p.name: self._sampler(p) for p in config.pools}
         self.sync_events: list[dict[str, object]] = []
+        self._fingerprint_cache: dict[int, tuple[dict[str, torch.Tensor], str]] = {}
         self.probe_engine_info: dict[str, dict[str, object]] = {}
         self._resync: set[str] = set()
         self.evaluator = (Evaluator(config.evaluation, config.task, config.alphabet, self._model_config, tok,
@@ -251,11 +253,30 @@ class Simulation:
                 t0 = time.perf_counter()
                 sampler.load(state, target, precision, **options)
                 self.sync_events.append({"step": step, "pool": spec.name, "version": target, "kind": kind,
-                                         "seconds": time.perf_counter() - t0})
+                                         "seconds": time.perf_counter() - t0,
+                                         **self._fingerprints(state, states.get(target))})
             elif spec.sync_stopped_at(step) and target < version - spec.lag:
                 self.sync_events.append({"step": step, "pool": spec.name, "version": target,
                                          "kind": "sync_skipped", "seconds": 0.0})
         self._resync.clear()
+
+    def _fingerprints(self, sent: dict[str, torch.Tensor], meant: dict[str, torch.Tensor] | None
+                      ) -> dict[str, str | None]:
+        """The fingerprints a sync reports: of the weights the pool was given and of the version's
+        (what the trainer meant to send; None where the pool keeps weights no longer held)."""
+        trainer = None if meant is None else self._fingerprint_of(meant)
+        return {"fingerprint": trainer if sent is meant else self._fingerprint_of(sent),
+                "trainer_fingerprint": trainer}
+
+    def _fingerprint_of(self, state: dict[str, torch.Tensor]) -> str:
+        key = id(state)
+        cached = self._fingerprint_cache.get(key)
+        if cached is None or cached[0] is not state:
+            cached = (state, weights_fingerprint(state))
+            self._fingerprint_cache[key] = cached
+            while len(self._fingerprint_cache) > 64:
+                self._fingerprint_cache.pop(next(iter(self._fingerprint_cache)))
+        return cached[1]
 
     def _rollout(self, sampler: PoolSampler, episodes: list[Episode], seed: int, step: int) -> list[Rollout]:
         return sampler.rollout(episodes, temperature=self.config.temperature,
