@@ -264,12 +264,63 @@ def simulator_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert lr.shape == tuple(ns["batch"].trainer_logprobs.shape) and np.isfinite(lr).any()
 
 
+def integrations_fingerprints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The snippet as written against a real in-process vLLM engine serving a tiny Qwen3: a push
+    of the trainer's weights is an ordinary sync that the engine really loaded; the same code
+    pushing version 0's buffer again is recorded as the pool holding version 0."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make install-vllm)")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from mismatch_monitor.collectors import MismatchCollector
+    from mismatch_monitor.fingerprint import weights_fingerprint
+    from mismatch_monitor.sim import PoolSpec
+    from mismatch_monitor.sim.policy import PolicyShape, build_model, model_config
+    from mismatch_monitor.sim.scenarios import VLLM_POLICY
+    from mismatch_monitor.sim.tokenizer import CharTokenizer
+    from mismatch_monitor.sim.vllm_pool import VllmPoolSampler
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tok = CharTokenizer("abcdefgh")
+    config = model_config(PolicyShape(**VLLM_POLICY), tok.vocab_size, tok.pad_id, tok.bos_id, tok.eos_id)
+    torch.manual_seed(0)
+    model = build_model(config)
+    wire0 = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+    pool = VllmPoolSampler(PoolSpec("fp8", precision="bf16", backend="vllm", engine="vllm"), config, tok)
+    try:
+        pool.load(model.state_dict(), 0, "bf16")                          # the engine starts on version 0
+        with MismatchCollector(tmp_path / "run", alert_evaluator=None) as mc:
+            mc.log_event("weight_sync", step=0, pool="fp8", version=0, trainer_fingerprint=weights_fingerprint(wire0))
+            with torch.no_grad():                                       # a training step moves every weight
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            right = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+            for v, pushed in ((1, right), (2, wire0)):                  # then a stale buffer sent again
+                run_snippet(("INTEGRATIONS.md", "Weight syncs and training outcomes", 0),
+                            {"torch": torch, "model": model, "llm": pool._llm, "mc": mc, "v": v, "pushed": pushed})
+                if v == 1:
+                    assert mc.errors_by_kind == {}
+                    held = pool._llm.apply_model(lambda m: m.model.embed_tokens.weight.detach().float().clone())[0]
+                    sent = right["model.embed_tokens.weight"].float()                  # the engine pads the vocab
+                    assert torch.equal(held[: sent.shape[0]], sent)                        # it really loaded
+            assert mc.errors_by_kind == {"WrongWeights": 1}
+    finally:
+        pool.close()
+        torch.set_num_threads(threads)
+    from mismatch_monitor.query.events import run_events
+
+    events = run_events(query.connect(), tmp_path / "run")
+    assert events["version"].tolist() == [0, 1, 0, 2]
+    assert events["message"].iloc[2].startswith("pool holds version 0's weights")
+    assert events["message"].iloc[3].startswith("weights not applied")
+
+
 RUNNERS: dict[tuple[str, str, int], Callable[[Path, pytest.MonkeyPatch], None]] = {
     ("README.md", "Attach to your loop", 0): readme_attach,
     ("ALERTS.md", "The exporter", 0): alerts_exporter,
     ("INTEGRATIONS.md", "Any training loop: the step hook", 0): integrations_step_hook,
     ("INTEGRATIONS.md", "TRL (`GRPOTrainer`, TRL 1.x)", 0): integrations_trl,
     ("INTEGRATIONS.md", "Several ranks", 0): integrations_ranks,
+    ("INTEGRATIONS.md", "Weight syncs and training outcomes", 0): integrations_fingerprints,
     ("SIMULATOR.md", "The simulator: a small RL system with genuine mismatch", 0): simulator_run,
     ("SIMULATOR.md", "What the formats give (measured)", 0): simulator_probe,
 }
