@@ -100,6 +100,7 @@ class WeightFingerprints:
             return SyncResolution(events, self._once(pool, fingerprint, text))
         text = (f"{where}: after the push of weight version {version}{at} the pool's weights have fingerprint "
                 f"{_short(fingerprint)}, which is no version given in this run (version {version}: "
-                f"{_short(expected)}); the push is recorded as not applied")
+                f"{_short(expected)}); the push is recorded as not applied. If every push reads so, check that both "
+                f"sides fingerprint the same form (the dtype and names sent over the wire)")
         return SyncResolution(((version, False, message or f"fingerprint {_short(fingerprint)} is no known version"),),
                               self._once(pool, fingerprint, text))

@@ -10,7 +10,7 @@
   error; weights of no known version leave the push not applied; strict mode raises after
   recording; a mistake in the call raises;
 * the simulator's wrong-weights fault (the pool is sent the warm-start weights from step 3)
-  through the demo's wiring: with fingerprints the pool's staleness is counted from version 0
+  through the demo's wiring (``benchmarks/bench_fingerprints.py``'s run): with fingerprints the pool's staleness is counted from version 0
   from the sync step and ``MismatchStalenessHigh`` fires on it; without, staleness reads 0.
 
 Runtime: about 20 s.
@@ -18,7 +18,8 @@ Runtime: about 20 s.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,10 +28,8 @@ from mismatch_monitor import query
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.collectors.fingerprints import WrongWeights
-from mismatch_monitor.collectors.simulation import SimulationRecorder
 from mismatch_monitor.fingerprint import Fingerprint, fingerprinted, weights_fingerprint
 from mismatch_monitor.query.events import run_events
-from mismatch_monitor.sim import FaultSpec, Simulation, scenario
 
 
 def state(seed: int) -> dict[str, torch.Tensor]:
@@ -163,29 +162,18 @@ def test_strict_raises_after_recording_and_mistakes_in_the_call_raise(tmp_path):
     assert events["version"].tolist() == [0, 1, 0, 2]                  # recorded before it raised
 
 
-def simulated(tmp_path, fingerprints: bool) -> tuple[list[float], list[tuple[int, str, str]]]:
-    steps, onset = 8, 3
-    base = replace(scenario("stable_fleet", steps=steps, variant="dense"), warmstart_steps=10)
-    config = replace(base, pools=tuple(replace(p, faults=(FaultSpec("wrong_weights", onset),))
-                                       if p.name == "bf16" else p for p in base.pools))
-    sim = Simulation(config)
-    run, fired = tmp_path / f"run{int(fingerprints)}", []
-    try:
-        with MismatchCollector(run, config=config.thresholds, pools=sim.pool_metadata()) as mc:
-            mc.on_alert(lambda e: fired.append((e.step, e.alert, e.pool)) if e.state == "firing" else None)
-            recorder = SimulationRecorder(mc, sim, fingerprints=fingerprints)
-            for out in sim.run(steps):
-                recorder.record(out)
-    finally:
-        sim.close()
-    series = query.metric_series(query.connect(), run, ["pool"], metrics=["mismatch/staleness/max"])
-    bf16 = series[series["pool"] == "bf16"].sort_values("step")
-    return bf16["mismatch/staleness/max"].tolist(), fired
+def simulated(fingerprints: bool) -> tuple[list[float], list[tuple[int, str, str]]]:
+    """The benchmark's run (dense fleet, bf16 sent the warm-start weights from step 3, 8 steps)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_fingerprints import run as bench_run
+
+    out = bench_run(onset=3, horizon=4, variant="dense", fingerprints=fingerprints)
+    return out["staleness"], out["fired"]
 
 
-def test_the_simulators_wrong_weights_fault_is_found_at_its_sync_with_fingerprints(tmp_path):
-    with_fp, fired = simulated(tmp_path, True)
+def test_the_simulators_wrong_weights_fault_is_found_at_its_sync_with_fingerprints():
+    with_fp, fired = simulated(True)
     assert with_fp == [0.0, 0.0, 0.0, 3.0, 4.0, 5.0, 6.0, 7.0]          # the warm-start weights: version 0
     assert (5, "MismatchStalenessHigh", "bf16") in fired                # staleness > 4 from step 5
-    without, _ = simulated(tmp_path, False)
+    without, _ = simulated(False)
     assert without == [0.0] * 8                                         # the push looks like any other
