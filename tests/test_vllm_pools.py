@@ -165,7 +165,9 @@ def test_faults_show_in_their_pool_only_and_resync_restores(faulted):
     for step in (2, 3):                                  # faults on: those two pools only
         assert k3[step]["skip"] > 20 * k3[step]["ok"], k3[step]
         assert k3[step]["noreset"] > 5 * k3[step]["ok"], k3[step]
-    assert k3[3]["skip"] > k3[2]["skip"]                 # one more update behind
+    # no order between steps 2 and 3: the skipped pool's k3 is near 1 nat at both, where which
+    # step's prompts read higher is sampling noise (an AMX CPU gave 1.082 then 1.072); that it
+    # skipped both syncs is checked on the events below
     # step 4 samples right after the resync: a real reload (and cache reset) of the current weights
     assert k3[4]["skip"] < 20 * k3[4]["ok"] + 1e-6, k3[4]
     assert k3[4]["noreset"] < 20 * k3[4]["ok"] + 1e-6, k3[4]
@@ -175,7 +177,7 @@ def test_sync_events_name_what_each_pool_received(faulted):
     _, events = faulted
     kinds = {(e["step"], e["pool"]): e["kind"] for e in events}
     assert kinds[(1, "ok")] == "sync" and kinds[(2, "ok")] == "sync"
-    assert kinds[(2, "skip")] == "sync_skipped" and kinds[(4, "skip")] == "resync"
+    assert kinds[(2, "skip")] == kinds[(3, "skip")] == "sync_skipped" and kinds[(4, "skip")] == "resync"
     assert kinds[(2, "noreset")] == "sync_no_cache_reset" and kinds[(4, "noreset")] == "resync"
     assert kinds[(5, "noreset")] == "sync_no_cache_reset"
 
