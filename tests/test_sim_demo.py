@@ -62,6 +62,27 @@ def test_demo_writes_a_run_and_hands_resyncs_back(tmp_path, capsys):
     assert "resync(s): async@" in out
 
 
+def test_demo_with_fingerprints_finds_a_wrong_weights_push_at_its_sync(tmp_path, capsys):
+    steps = 10
+    code = main(["demo", "--scenario", "fault_midrun", "--fault", "wrong_weights", "--variant", "dense",
+                 "--steps", str(steps), "--warmstart-steps", "10", "--runs-root", str(tmp_path),
+                 "--name", "fp", "--quiet", "--fingerprints"])
+    out = capsys.readouterr().out
+    assert code == 0
+    run_dir = tmp_path / "fp"
+    faults = read_run_info(run_dir)["metadata"]["simulator"]["config"]["pools"]
+    pool = next(p["name"] for p in faults if p["faults"] and p["faults"][0]["kind"] == "wrong_weights")
+    onset = steps // 2
+    staleness = staleness_by_step(run_dir, pool)
+    # the pool is sent the warm-start weights (version 0) from the onset: staleness = the step
+    assert [staleness[s] for s in range(onset)] == [0.0] * onset and staleness[onset] == onset
+    events = query.alert_events(query.connect(), run_dir)
+    fired = events[(events["pool"] == pool) & (events["state"] == "firing")]
+    assert (onset, "MismatchStalenessHigh") in set(zip(fired["step"].astype(int), fired["alert"]))
+    assert staleness[onset + 1] == 0                      # the resync it asked for sent the right weights
+    assert "WrongWeights" in out                          # the summary shows the counted error
+
+
 def test_demo_refuses_to_overwrite_a_run_by_accident(tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     code = main(["demo", "--steps", "1", "--runs-root", str(tmp_path), "--name", "taken", "--quiet"])

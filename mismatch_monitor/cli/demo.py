@@ -61,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run directory name (default <scenario>-<variant>-<timestamp>)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing run of that name")
     parser.add_argument("--no-alerts", action="store_true", help="no alert evaluation, no resync loop")
+    parser.add_argument("--fingerprints", action="store_true",
+                        help="each sync also gives the fingerprints of the weights sent and of the version "
+                             "meant, as a pipeline that checks its pushes (a wrong_weights push is found at "
+                             "its sync)")
     parser.add_argument("--metrics-port", type=int, default=None,
                         help="also serve Prometheus /metrics on 127.0.0.1:PORT while running")
     parser.add_argument("--dashboard", action="store_true",
@@ -86,8 +90,9 @@ def build_config(args: argparse.Namespace) -> SimConfig:
 
 def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alerts: bool = True,
              progress: bool = True, exporter: Any = None, metadata: dict[str, Any] | None = None,
-             echo: bool = True) -> RunResult:
-    """Run ``config`` for ``steps`` steps through a collector writing ``run_dir``."""
+             echo: bool = True, fingerprints: bool = False) -> RunResult:
+    """Run ``config`` for ``steps`` steps through a collector writing ``run_dir`` (``fingerprints``:
+    ``SimulationRecorder``'s)."""
     from ..collectors import MismatchCollector
     from ..collectors.simulation import SimulationRecorder
 
@@ -116,7 +121,7 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
 
     collector.on_resync(on_resync)
     collector.on_alert(on_alert)
-    recorder = SimulationRecorder(collector, sim)    # batches, syncs and resyncs, outcomes
+    recorder = SimulationRecorder(collector, sim, fingerprints=fingerprints)   # batches, syncs, resyncs, outcomes
     with collector:
         try:
             for out in sim.run(steps, progress=progress):
@@ -170,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"demo: writing run {run_dir.resolve()}", flush=True)
         result = simulate(config, run_dir, steps=args.steps, run_id=name, alerts=not args.no_alerts,
                           progress=not args.quiet, exporter=exporter,
-                          metadata={"scenario": args.scenario, "steps": args.steps})
+                          metadata={"scenario": args.scenario, "steps": args.steps},
+                          fingerprints=getattr(args, "fingerprints", False))
         print_summary(result)
         finished = True
         if dashboard is not None:
