@@ -16,6 +16,7 @@ from .counts import CountRise
 from .tails import TailRise
 from .jumps import StepJump
 from .expected_gate import AboveExpected
+from .declared_gate import AboveDeclared
 from .drift import PooledDrift
 from .pooled import MeanRise
 from .rules import AlertRule
@@ -140,6 +141,24 @@ STALENESS_HIGH = AlertRule(
              "the cap."),
 )
 
+SYNC_BEHIND = AlertRule(
+    name="MismatchSyncBehind",
+    # exact bookkeeping, not an estimate: one step past the pool's own declared bound decides, from step 0
+    condition=AboveDeclared("mismatch/staleness/max"),
+    severity="critical",
+    resync=True,
+    fix="resync",
+    summary="Pool {pool} sampled with weights {value} update(s) older than its pipeline allows: a sync did not apply",
+    description=("The largest staleness (trainer step minus the sampler's policy version) in pool {pool} is {value} "
+                 "update(s) above the max_staleness the pool declares (its run.json metadata: 0 for a pool synced "
+                 "every step, the queue depth for an asynchronous one). Its weights were not updated when they "
+                 "should have been; no history is needed: this holds from the pool's first step."),
+    runbook=("Resynchronise the pool's sampler weights (on_resync is called once per firing). Then find the sync "
+             "that did not apply: the run's weight_sync events (a push recorded as not applied, or a fingerprint "
+             "that is not the version's), the engine's reload logs, a worker that stopped taking updates. If it "
+             "falls behind again after the resync, its pipeline is stuck: restart the worker."),
+)
+
 POOL_OUTLIER = AlertRule(
     name="MismatchPoolOutlier",
     # z 4 on three steps in a row: a pool's own heavy-tailed steps (INT4, ~80 tokens) pass
@@ -244,7 +263,7 @@ SHARPNESS_SHIFT = AlertRule(
 )
 
 DEFAULT_RULES: tuple[AlertRule, ...] = (
-    TAIL_GROWTH, KL_SPIKE, LOW_ESS, DRIFT, EXTREME_SHARE_RISE, ROUTING_FLIP_RISE, STALENESS_HIGH,
+    TAIL_GROWTH, KL_SPIKE, LOW_ESS, DRIFT, EXTREME_SHARE_RISE, ROUTING_FLIP_RISE, STALENESS_HIGH, SYNC_BEHIND,
     POOL_OUTLIER, NON_FINITE, STEP_JUMP, ABOVE_EXPECTED, SHARPNESS_SHIFT,
 )
 

@@ -29,7 +29,7 @@ from .conditions import Scope, Snapshot
 from .counts import INACTIVE
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
-from .levels import expected_note, with_levels
+from .levels import expected_note, with_bounds, with_levels
 from .resync import NUMERIC_NOTE, ResyncOutcome, ResyncPolicy
 from .rules import AlertRule, Fix, Severity, check_rules
 from .steps import _snapshot, iter_steps
@@ -93,6 +93,8 @@ class AlertEvaluator:
                       for scope in ("pool", "fleet")}
         self._levels = tuple(sorted({k for r in rules if r.scope == "pool"
                                      for k in getattr(r.condition, "levels", ())}))
+        self._bounds = tuple(sorted({k for r in rules if r.scope == "pool"
+                                     for k in getattr(r.condition, "bounds", ())}))
         self._active: dict[tuple[str, str | None], _Active] = {}
         # pool-steps a rule could not decide ("not enough tokens"): per (rule, pool), and the last step's
         self._undecided_counts: dict[tuple[str, str | None], int] = {}
@@ -117,7 +119,7 @@ class AlertEvaluator:
             self._history.rewind(step)
         self._last_step = step
         pooled = _snapshot(by_pool, self._keys["pool"], pooled=True)
-        snapshots = {"pool": with_levels(pooled, self._levels, self.pools),
+        snapshots = {"pool": with_bounds(with_levels(pooled, self._levels, self.pools), self._bounds, self.pools),
                      "fleet": _snapshot(fleet, self._keys["fleet"], pooled=False)}
         now = snapshots["pool"]
         self._values = {p: {k: float(v[i]) for k, v in now.values.items()} for i, p in enumerate(now.pools)}

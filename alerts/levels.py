@@ -17,6 +17,9 @@ from mismatch_monitor.expected_series import EXPECTED_LEVEL, level_label
 from mismatch_monitor.metrics import prometheus_name
 
 from .conditions import Snapshot
+from mismatch_monitor.pool_bounds import declared_bound
+
+from .declared_gate import bound_key
 from .expected_gate import level_key
 from .rules import AlertRule, format_g3
 
@@ -64,4 +67,16 @@ def with_levels(now: Snapshot, keys: tuple[str, ...], pools: Mapping[str, Mappin
     for key in keys:
         found = [expected_for_pool(key, pools.get(p)) for p in now.pools]
         values[level_key(key)] = np.array([np.nan if x is None else x.healthy for x in found], dtype=np.float64)
+    return Snapshot(now.pools, values)
+
+
+def with_bounds(now: Snapshot, keys: tuple[str, ...], pools: Mapping[str, Mapping[str, object]]) -> Snapshot:
+    """``now`` plus each metric's declared bound per pool under :func:`.declared_gate.bound_key` (NaN
+    where the pool declares none), as ``mismatch_pool_bound`` is to the rules file."""
+    if not keys or not now.pools:
+        return now
+    values = dict(now.values)
+    for key in keys:
+        found = [declared_bound(key, pools.get(p)) for p in now.pools]
+        values[bound_key(key)] = np.array([np.nan if x is None else x for x in found], dtype=np.float64)
     return Snapshot(now.pools, values)

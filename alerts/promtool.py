@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch_monitor.expected_series import EXPECTED_LEVEL, expected_level_samples
+from mismatch_monitor.pool_bounds import POOL_BOUND, pool_bound_samples
 from mismatch_monitor.metrics import prometheus_name
 from mismatch_monitor.report_keys import label_text
 
@@ -75,12 +76,13 @@ def input_series(history: pd.DataFrame, rules: Sequence[AlertRule], steps: list[
 
 
 def level_series(pools: Mapping[str, Mapping[str, object]] | None, steps: int) -> list[dict[str, str]]:
-    """The pools' ``mismatch_expected_level`` series (constant over the ``steps`` steps), as the
-    exporter serves them given the same metadata."""
+    """The pools' ``mismatch_expected_level`` and ``mismatch_pool_bound`` series (constant over the
+    ``steps`` steps), as the exporter serves them given the same metadata."""
     out = []
-    for labels, value in expected_level_samples(pools):
-        selector = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
-        out.append({"series": f"{EXPECTED_LEVEL}{{{selector}}}", "values": f"{float(value)!r}+0x{max(steps - 1, 0)}"})
+    for name, samples in ((EXPECTED_LEVEL, expected_level_samples(pools)), (POOL_BOUND, pool_bound_samples(pools))):
+        for labels, value in samples:
+            selector = ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(labels.items()))
+            out.append({"series": f"{name}{{{selector}}}", "values": f"{float(value)!r}+0x{max(steps - 1, 0)}"})
     return out
 
 

@@ -27,9 +27,10 @@ from .drift import PooledDrift
 from .pooled import MeanRise
 from .fleet_rise import RiseAgainstFleet
 from .expected_gate import AboveExpected
+from .declared_gate import AboveDeclared
 
 Condition = (Compare | GrowthOverBaseline | MeanAwayFromZero | OutlierAmongPools | CountRise | TailRise | MeanRise
-             | PooledDrift | StepJump | RiseAgainstFleet | AboveExpected)
+             | PooledDrift | StepJump | RiseAgainstFleet | AboveExpected | AboveDeclared)
 
 Severity = Literal["info", "warning", "critical"]
 Fix = Literal["resync", "cap_per_pool", "discard_long_rollouts", "routing_replay", "fp32_head",

@@ -77,6 +77,9 @@ INCIDENTS: tuple[Incident, ...] = (
     Incident("MismatchLowESS", "fp8", "mismatch/ess", 0.35, range(55, 59)),
     Incident("MismatchExtremeShareRise", "int4", "mismatch/extreme_fraction", 6e-3, range(62, 65)),
     Incident("MismatchStalenessHigh", "bf16", "mismatch/staleness/max", 6.0, range(70, 72)),
+    # the synchronous pool's push does not apply at step 77: one update behind, under the generic cap of
+    # MismatchStalenessHigh, past its declared max_staleness 0 (files.SCENARIO_POOLS)
+    Incident("MismatchSyncBehind", "tpu", "mismatch/staleness/max", 1.0, range(77, 79)),
     Incident("MismatchNonFiniteLogprobs", "tpu", "mismatch/data_quality/nonfinite_tokens", 3.0, range(75, 76)),
     # the synchronous pool's sampler stops applying the temperature after its gap; the same contrast on a
     # stale pool (int4) is explained by its lag and stays silent

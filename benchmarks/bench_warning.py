@@ -12,6 +12,10 @@ Faults: the stable fleet with one pool's fault switched on at each onset step (t
 simulator's ``fault_midrun`` hits for that kind), run until ``horizon`` steps after the onset.
 A fault is detected by the first firing on its pool at or after the onset; firings on other
 pools, or before the onset, are false firings. One run at a time, one torch thread.
+Latency is counted from the onset and, for ``stop_sync`` and ``wrong_weights``, also from the
+fault's first effect: the first sync it skipped or spoiled (the async pool lags by design, so a
+sync stopped at step 1 or 2 changes nothing until step 3). The pools declare their
+``max_staleness`` (their lag), which ``MismatchSyncBehind`` reads.
 
 The simulator offers, for its torch pools: ``stop_sync`` (staleness), ``ignore_temperature``,
 ``degrade_precision`` and ``wrong_weights``; ``sync_no_reset`` (prefix cache not reset) exists
@@ -69,8 +73,9 @@ def replay(folder: Path) -> None:
               f"{[(e.step, e.alert, e.pool) for e in events if e.state == 'firing']}")
 
 
-def run(config, steps: int, name: str = "") -> tuple[list, AlertEvaluator, int]:
-    """Events of ``steps`` steps of ``config``; resyncs the alerts ask for are performed."""
+def run(config, steps: int, name: str = "") -> tuple[list, AlertEvaluator, int, list[dict]]:
+    """Events of ``steps`` steps of ``config``, the evaluator, pool-steps and the simulator's sync
+    events; resyncs the alerts ask for are performed."""
     sim = Simulation(config)
     evaluator = AlertEvaluator(DEFAULT_RULES, pools=pool_metadata(config))
     events, pool_steps = [], 0
@@ -91,7 +96,22 @@ def run(config, steps: int, name: str = "") -> tuple[list, AlertEvaluator, int]:
     finally:
         sim.close()
     save(name, *kept)
-    return events, evaluator, pool_steps
+    return events, evaluator, pool_steps, sim.sync_events
+
+
+# the sync a fault first changes: until then the faulted pool holds what a healthy one would
+FIRST_EFFECT = {"stop_sync": "sync_skipped", "wrong_weights": "sync_wrong_weights"}
+
+
+def first_effect(kind: str, pool: str, onset: int, syncs: list[dict]) -> int:
+    """The first step at or after ``onset`` at which the fault changed what ``pool`` holds: its
+    first skipped or wrong sync (a pool that lags by design holds the warm start's weights for
+    its first steps whether or not its syncs work), the onset for the other faults."""
+    wanted = FIRST_EFFECT.get(kind)
+    if wanted is None:
+        return onset
+    steps = [e["step"] for e in syncs if e["pool"] == pool and e["kind"] == wanted and e["step"] >= onset]
+    return min(steps, default=onset)
 
 
 def clean(seeds: int, steps: int, variant: str) -> None:
@@ -99,7 +119,7 @@ def clean(seeds: int, steps: int, variant: str) -> None:
     total = 0
     for seed in range(seeds):
         config = stable_fleet(steps=steps, seed=seed, variant=variant)  # type: ignore[arg-type]
-        events, _, pool_steps = run(config, steps, f"clean_{variant}_{seed}")
+        events, _, pool_steps, _ = run(config, steps, f"clean_{variant}_{seed}")
         total += pool_steps
         firing.update(e.alert for e in events if e.state == "firing")
         print(f"clean seed {seed}: {pool_steps} pool-steps, firings: "
@@ -119,28 +139,32 @@ def faults(onsets: list[int], horizon: int, seed: int, kinds: tuple[str, ...], v
             pool = _FAULT_POOL[kind]
             config = replace(base, pools=tuple(replace(p, faults=(spec,)) if p.name == pool else p
                                                for p in base.pools))
-            events, evaluator, _ = run(config, onset + horizon + 1, f"{kind}_{variant}_{onset}")
+            events, evaluator, _, syncs = run(config, onset + horizon + 1, f"{kind}_{variant}_{onset}")
+            effect = first_effect(kind, pool, onset, syncs)
             on_pool = [e for e in events if e.state == "firing" and e.pool == pool and e.step >= onset]
             false = [e for e in events if e.state == "firing" and (e.pool != pool or e.step < onset)]
             first = on_pool[0] if on_pool else None
             outcomes = [o for o in evaluator.resync_outcomes() if o.pool == pool]
             rows.append((kind, pool, onset, None if first is None else first.step - onset,
+                         None if first is None else first.step - effect, effect,
                          "" if first is None else first.alert, len(false),
                          ", ".join(f"{o.requested_step}:{'helped' if o.helped else 'no effect'}" for o in outcomes)))
             print(f"fault {kind} on {pool} from step {onset}: {sorted({(e.step, e.alert) for e in on_pool})[:6]} "
                   f"false: {[(e.step, e.alert, e.pool) for e in false]}")
-    print("\n| fault | pool | onset | latency (steps) | first alert | false firings | resyncs (step: effect) |")
-    print("|---|---|---|---|---|---|---|")
-    for kind, pool, onset, latency, alert, false, resyncs in rows:
+    print("\n| fault | pool | onset | latency (steps) | first effect | latency after it | first alert | "
+          "false firings | resyncs (step: effect) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind, pool, onset, latency, after, effect, alert, false, resyncs in rows:
         shown = "missed" if latency is None else str(latency)
-        print(f"| {kind} | {pool} | {onset} | {shown} | {alert and f'`{alert}`'} | {false} | {resyncs} |")
+        print(f"| {kind} | {pool} | {onset} | {shown} | {effect} | {'' if after is None else after} | "
+              f"{alert and f'`{alert}`'} | {false} | {resyncs} |")
     missed = sum(r[3] is None for r in rows)
     print(f"\nmissed: {missed} of {len(rows)} injected faults (horizon {horizon} steps)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3, help="clean runs (seeds 0..N-1)")
+    parser.add_argument("--seeds", type=int, default=3, help="clean runs (seeds 0..N-1; 0: faults only)")
     parser.add_argument("--steps", type=int, default=200, help="steps of each clean run")
     parser.add_argument("--onsets", default="1,2,5,10,50,100", help="fault onset steps, comma-separated")
     parser.add_argument("--horizon", type=int, default=30, help="steps watched after each onset")
@@ -158,7 +182,8 @@ def main() -> None:
     SAVE = args.save
     torch.set_num_threads(1)
     started = time.perf_counter()
-    clean(args.seeds, args.steps, args.variant)
+    if args.seeds > 0:
+        clean(args.seeds, args.steps, args.variant)
     faults([int(s) for s in args.onsets.split(",")], args.horizon, args.fault_seed,
            tuple(k for k in args.faults.split(",") if k), args.variant)
     print(f"\nwall time: {time.perf_counter() - started:.0f} s")

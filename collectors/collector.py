@@ -28,6 +28,7 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 
 from ..batch import TokenBatch
+from ..pool_bounds import check_pool_bounds
 from ..config import MetricConfig
 from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import select_exemplars
@@ -85,6 +86,7 @@ class MismatchCollector(ErrorKeeping):
         self._resync_callbacks: list[Callable[[Any], None]] = []
         self.errors = ErrorLog()
         self.run_log = RunLog(clock, self._note, strict, self._event_observed)   # events and outcomes
+        check_pool_bounds(pools)   # max_staleness: an integer >= 0, checked before anything is written
         self.pools = {k: dict(v) for k, v in (pools or {}).items()}
         if self.pools and callable(getattr(exporter, "set_pools", None)):   # its expected-level series
             exporter.set_pools(self.pools)

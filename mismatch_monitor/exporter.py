@@ -23,6 +23,8 @@ Series and labels (never rank, layer or length):
 * ``mismatch_expected_level{pool, metric, precision, engine}``: each pool's expected healthy
   levels (``expected_series.py``), given the pools' ``run.json`` metadata (``pools=``); the
   rendered alerts' summaries read it to say "x times its expected healthy level".
+* ``mismatch_pool_bound{pool, metric}``: the bounds the pools declare (``pool_bounds.py``:
+  ``max_staleness``), which ``MismatchSyncBehind`` compares the pool's staleness with.
 * ``mismatch_resyncs_total{pool}`` counts resync requests (:meth:`count_resync`); fleet-wide
   ones have no pool label. ``mismatch_exporter_errors_total`` counts steps that failed to export.
 """
@@ -44,6 +46,7 @@ from .config import MetricConfig
 from .engine import MismatchStats
 from .engine.histogram import LogBins
 from .expected_series import expected_level_family
+from .pool_bounds import pool_bound_family
 from .export_cells import DIMS, Admission, Cell, Cells, cells_of, slice_metrics
 from .label_limits import LabelLimit
 from .metric_defs import CounterDef, counter_defs
@@ -87,7 +90,7 @@ class MismatchExporter:
                  *, limit: LabelLimit | None = None, clock: Callable[[], float] = time.time,
                  pools: Mapping[str, Mapping[str, object]] | None = None) -> None:
         self.config = config or MetricConfig()
-        self._levels = expected_level_family(pools)
+        self._levels = [expected_level_family(pools), pool_bound_family(pools)]
         self.limit = limit or LabelLimit()
         self.registry = CollectorRegistry() if registry is None else registry
         self._clock = clock
@@ -270,13 +273,14 @@ class MismatchExporter:
         self._families = families
 
     def set_pools(self, pools: Mapping[str, Mapping[str, object]] | None) -> None:
-        """The pools' metadata (``run.json`` ``pools``: precision, engine) behind the expected levels."""
-        self._levels = expected_level_family(pools)
+        """The pools' metadata (``run.json`` ``pools``: precision, engine, max_staleness) behind the
+        expected levels and the declared bounds."""
+        self._levels = [expected_level_family(pools), pool_bound_family(pools)]
 
     def collect(self) -> Iterable[Metric]:
         self.process_queued()
         with self._work_lock:
-            return list(self._families) + [self._levels]
+            return list(self._families) + self._levels
 
     # ------------------------------------------------------------------ HTTP endpoint
     def start(self, port: int = 0, addr: str = "127.0.0.1") -> int:

@@ -99,7 +99,7 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
     t0 = time.perf_counter()
     sim = Simulation(config)
     result = RunResult(run_dir=run_dir, seconds_setup=time.perf_counter() - t0)
-    evaluator = _alert_evaluator() if alerts else None
+    evaluator = _alert_evaluator(sim.pool_metadata()) if alerts else None
     # what each vLLM engine really runs (dtype, quantization as applied, versions); torch pools: none
     meta = {"simulator": {"config": asdict(config), "engines": sim.engine_info(), **(metadata or {})}}
     collector = MismatchCollector(run_dir, config=config.thresholds, run_id=run_id,
@@ -137,13 +137,14 @@ def simulate(config: SimConfig, run_dir: Path, *, steps: int, run_id: str, alert
     return result
 
 
-def _alert_evaluator() -> Any:
+def _alert_evaluator(pools: dict[str, dict[str, Any]]) -> Any:
+    """The project's rules, given the pools' metadata (expected levels, declared max_staleness)."""
     try:
         from ..alerts import AlertEvaluator
     except ImportError as exc:   # alerts are optional for a demo run
         _write(f"alerts unavailable ({exc}); running without alert evaluation")
         return None
-    return AlertEvaluator()
+    return AlertEvaluator(pools=pools)
 
 
 def _write(line: str) -> None:

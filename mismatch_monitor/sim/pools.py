@@ -213,6 +213,8 @@ class PoolSpec:
             parts.append(f"lag{self.lag}")
         return "/".join(parts)
 
-    def metadata(self) -> dict[str, str]:
-        """Labels for the batch and ``run.json``: hardware, precision, engine."""
-        return {"hardware": self.hardware, "precision": self.precision_label(), "engine": self.engine_label()}
+    def metadata(self) -> dict[str, str | int]:
+        """``run.json``'s pool metadata: the batch's labels (hardware, precision, engine) and the most
+        updates the pool's weights lag by design, ``max_staleness`` (its ``lag``; ``pool_bounds.py``)."""
+        return {"hardware": self.hardware, "precision": self.precision_label(), "engine": self.engine_label(),
+                "max_staleness": self.lag}

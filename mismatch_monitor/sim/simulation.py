@@ -110,8 +110,8 @@ class Simulation:
         self._step = 0
 
     # ------------------------------------------------------------------ public
-    def pool_metadata(self) -> dict[str, dict[str, str]]:
-        """Pool name -> hardware / precision / engine labels (what ``run.json`` records)."""
+    def pool_metadata(self) -> dict[str, dict[str, str | int]]:
+        """Pool name -> hardware / precision / engine labels and max_staleness (what ``run.json`` records)."""
         return {p.name: p.metadata() for p in self.config.pools}
 
     def engine_info(self) -> dict[str, dict[str, object]]:

@@ -1,0 +1,89 @@
+"""``MismatchSyncBehind``: a pool past the max_staleness it declares fires at that step.
+
+The pools' ``run.json`` metadata declares how far each may lag by design (``pool_bounds.py``).
+Checked the way a user meets it: a collector with the default rules whose pool's pushes fail
+from step 3 (the trainer says so with ``applied=False``) raises the alert at step 3, in the
+stored ``alerts`` table, with one resync request; the same run without the declaration stays
+silent until the generic cap of ``MismatchStalenessHigh``. The evaluator's arithmetic, the
+exporter's series and the up-front check of a declaration are checked beside it (the rendered
+rule is checked by promtool on the committed scenario, ``test_alert_rules_files.py``).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from mismatch_monitor import query
+from mismatch_monitor.alerts import AlertEvaluator
+from mismatch_monitor.alerts.definitions import SYNC_BEHIND
+from mismatch_monitor.batch import TokenBatch
+from mismatch_monitor.collectors import MismatchCollector
+from mismatch_monitor.exporter import MismatchExporter
+from mismatch_monitor.pool_bounds import POOL_BOUND
+
+POOLS = ("bf16", "fp8")
+
+
+def batch(step: int) -> TokenBatch:
+    """Four sequences per pool, each claiming the trainer's version (= step)."""
+    g = torch.Generator().manual_seed(step)
+    mu = -(1.0 + torch.rand(8, 16, generator=g, dtype=torch.float64))
+    pools = [POOLS[i // 4] for i in range(8)]
+    return TokenBatch.from_padded(mu + 0.01 * torch.randn(8, 16, generator=g, dtype=torch.float64), mu,
+                                  torch.ones(8, 16), labels={"pool": pools}, policy_version=[step] * 8,
+                                  trainer_version=step)
+
+
+def failing_pushes(run, pools: dict | None) -> tuple[pd.DataFrame, list]:
+    """Six steps; fp8's pushes fail from step 3 and the trainer records it."""
+    asked = []
+    with MismatchCollector(run, pools=pools) as mc:
+        mc.on_resync(asked.append)
+        for step in range(6):
+            mc.log_event("weight_sync", step=step, pool="bf16", version=step)
+            mc.log_event("weight_sync", step=step, pool="fp8", version=step, applied=step < 3)
+            mc.log_step(step, batch(step))
+    return query.alert_events(query.connect(), run), asked
+
+
+def test_a_failed_push_fires_at_its_step_on_the_pool_that_declares_it_syncs_every_step(tmp_path):
+    alerts, asked = failing_pushes(tmp_path / "run", {p: {"precision": "bf16", "max_staleness": 0} for p in POOLS})
+    fired = alerts[(alerts["alert"] == SYNC_BEHIND.name) & (alerts["state"] == "firing")]
+    assert fired[["step", "pool"]].values.tolist() == [[3, "fp8"]]
+    assert float(fired["value"].iloc[0]) == 1.0     # staleness 1 (version 2 applied at step 3) minus 0
+    assert "Pool fp8 sampled with weights 1 update(s) older than its pipeline allows" in fired["summary"].iloc[0]
+    # one resync asked, at the first firing; staleness goes on climbing, the alert stays firing
+    assert [(e.alert, e.pool, e.step) for e in asked if e.alert == SYNC_BEHIND.name] == [(SYNC_BEHIND.name, "fp8", 3)]
+    assert not (alerts["alert"] == "MismatchStalenessHigh").any()          # staleness 3 at step 5: under 4
+
+
+def test_without_the_declaration_the_same_run_waits_for_the_generic_cap(tmp_path):
+    alerts, _ = failing_pushes(tmp_path / "run", {p: {"precision": "bf16"} for p in POOLS})
+    assert not (alerts["alert"] == SYNC_BEHIND.name).any()
+
+
+def test_the_evaluator_fires_past_each_pools_own_bound_and_resolves_back_under_it():
+    staleness = {"async": [0, 1, 2, 2, 3, 4, 2, 2], "sync": [0, 0, 1, 0, 0, 0, 0, 0], "free": [0, 1, 2, 9, 9, 9, 0, 0]}
+    history = pd.DataFrame([{"step": s, "pool": p, "mismatch/staleness/max": float(v)}
+                            for p, values in staleness.items() for s, v in enumerate(values)])
+    _, events = AlertEvaluator.replay(history, rules=(SYNC_BEHIND,),
+                                      pools={"async": {"max_staleness": 2}, "sync": {"max_staleness": 0}})
+    got = [(e.step, e.pool, e.state, e.value) for e in events]
+    assert got == [(2, "sync", "firing", 1.0), (3, "sync", "resolved", 1.0),
+                   (4, "async", "firing", 1.0), (6, "async", "resolved", 2.0)]   # "free" declares nothing
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2", None])
+def test_a_bad_declaration_is_refused_before_anything_is_written(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"pool 'fp8': expected max_staleness to be an integer >= 0"):
+        MismatchCollector(tmp_path / "run", pools={"fp8": {"max_staleness": bad}})
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_exporter_serves_each_declared_bound():
+    exporter = MismatchExporter(pools={"a": {"max_staleness": 2}, "b": {"precision": "bf16"}, "c": {"max_staleness": 0}})
+    samples = [s for family in exporter.collect() if family.name == POOL_BOUND for s in family.samples]
+    assert sorted((s.labels["pool"], s.labels["metric"], s.value) for s in samples) == [
+        ("a", "staleness/max", 2.0), ("c", "staleness/max", 0.0)]
