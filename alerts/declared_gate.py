@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mismatch_monitor.pool_bounds import BOUNDS, POOL_BOUND, bound_label
+from mismatch_monitor.expected_series import level_label
+from mismatch_monitor.pool_bounds import BOUNDS, POOL_BOUND
 
 from .conditions import Past, Snapshot, _check_metric
 from .promql import Expression, Scope
@@ -65,7 +66,7 @@ class AboveDeclared:
                 "no history needed; pools that declare none are not judged)")
 
     def promql(self, scope: Scope, step_seconds: float) -> Expression:
-        bound = f'on(pool) group_left() {POOL_BOUND}{{metric="{bound_label(self.metric)}"}}'
+        bound = f'on(pool) group_left() {POOL_BOUND}{{metric="{level_label(self.metric)}"}}'
         return Expression(f"{_series(self.metric, scope)} - {bound} > 0")
 
     def evaluate(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:

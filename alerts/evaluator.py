@@ -91,10 +91,10 @@ class AlertEvaluator:
         self._history = TrailingValues(windows)
         self._keys = {scope: sorted({k for r in rules if r.scope == scope for k in r.condition.metrics})
                       for scope in ("pool", "fleet")}
-        self._levels = tuple(sorted({k for r in rules if r.scope == "pool"
-                                     for k in getattr(r.condition, "levels", ())}))
-        self._bounds = tuple(sorted({k for r in rules if r.scope == "pool"
-                                     for k in getattr(r.condition, "bounds", ())}))
+        # metrics whose per-pool expected levels / declared bounds the pool rules read
+        self._levels, self._bounds = (tuple(sorted({k for r in rules if r.scope == "pool"
+                                                    for k in getattr(r.condition, attr, ())}))
+                                      for attr in ("levels", "bounds"))
         self._active: dict[tuple[str, str | None], _Active] = {}
         # pool-steps a rule could not decide ("not enough tokens"): per (rule, pool), and the last step's
         self._undecided_counts: dict[tuple[str, str | None], int] = {}

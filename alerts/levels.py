@@ -8,17 +8,16 @@ pool says neither, the alert says nothing about it (never a guessed level).
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
 from mismatch_monitor.expected_levels import LEVEL_METRICS, expected_for_pool, times_expected
 from mismatch_monitor.expected_series import EXPECTED_LEVEL, level_label
 from mismatch_monitor.metrics import prometheus_name
-
-from .conditions import Snapshot
 from mismatch_monitor.pool_bounds import declared_bound
 
+from .conditions import Snapshot
 from .declared_gate import bound_key
 from .expected_gate import level_key
 from .rules import AlertRule, format_g3
@@ -58,25 +57,32 @@ def note_template(rule: AlertRule) -> str:
     return text
 
 
-def with_levels(now: Snapshot, keys: tuple[str, ...], pools: Mapping[str, Mapping[str, object]]) -> Snapshot:
-    """``now`` plus each metric's expected healthy level per pool under :func:`.expected_gate.level_key`
-    (NaN where the pool has no level), as ``mismatch_expected_level`` is to the rules file."""
+def _per_pool(now: Snapshot, keys: tuple[str, ...], name: Callable[[str], str],
+              lookup: Callable[[str, Mapping[str, object] | None], float | None],
+              pools: Mapping[str, Mapping[str, object]]) -> Snapshot:
+    """``now`` plus, for each metric of ``keys``, ``lookup(metric, pool's metadata)`` per pool under
+    ``name(metric)`` (NaN where it gives None)."""
     if not keys or not now.pools:
         return now
     values = dict(now.values)
     for key in keys:
-        found = [expected_for_pool(key, pools.get(p)) for p in now.pools]
-        values[level_key(key)] = np.array([np.nan if x is None else x.healthy for x in found], dtype=np.float64)
+        found = [lookup(key, pools.get(p)) for p in now.pools]
+        values[name(key)] = np.array([np.nan if x is None else x for x in found], dtype=np.float64)
     return Snapshot(now.pools, values)
+
+
+def _healthy(key: str, meta: Mapping[str, object] | None) -> float | None:
+    level = expected_for_pool(key, meta)
+    return None if level is None else level.healthy
+
+
+def with_levels(now: Snapshot, keys: tuple[str, ...], pools: Mapping[str, Mapping[str, object]]) -> Snapshot:
+    """``now`` plus each metric's expected healthy level per pool under :func:`.expected_gate.level_key`
+    (NaN where the pool has no level), as ``mismatch_expected_level`` is to the rules file."""
+    return _per_pool(now, keys, level_key, _healthy, pools)
 
 
 def with_bounds(now: Snapshot, keys: tuple[str, ...], pools: Mapping[str, Mapping[str, object]]) -> Snapshot:
     """``now`` plus each metric's declared bound per pool under :func:`.declared_gate.bound_key` (NaN
     where the pool declares none), as ``mismatch_pool_bound`` is to the rules file."""
-    if not keys or not now.pools:
-        return now
-    values = dict(now.values)
-    for key in keys:
-        found = [declared_bound(key, pools.get(p)) for p in now.pools]
-        values[bound_key(key)] = np.array([np.nan if x is None else x for x in found], dtype=np.float64)
-    return Snapshot(now.pools, values)
+    return _per_pool(now, keys, bound_key, declared_bound, pools)

@@ -39,9 +39,14 @@ def expected_level_samples(pools: Mapping[str, Mapping[str, object]] | None
     return out
 
 
-def expected_level_family(pools: Mapping[str, Mapping[str, object]] | None) -> Metric:
-    family = Metric(EXPECTED_LEVEL, "a pool's expected healthy level of a metric (expected_levels.csv, by the "
-                    "pool's precision and engine)", "gauge")
-    for labels, value in expected_level_samples(pools):
-        family.add_sample(EXPECTED_LEVEL, labels, value)
+def gauge_family(name: str, documentation: str, samples: list[tuple[dict[str, str], float]]) -> Metric:
+    """A gauge family of (labels, value) samples, as the exporter serves per-pool constants."""
+    family = Metric(name, documentation, "gauge")
+    for labels, value in samples:
+        family.add_sample(name, labels, value)
     return family
+
+
+def expected_level_family(pools: Mapping[str, Mapping[str, object]] | None) -> Metric:
+    return gauge_family(EXPECTED_LEVEL, "a pool's expected healthy level of a metric (expected_levels.csv, by the "
+                        "pool's precision and engine)", expected_level_samples(pools))

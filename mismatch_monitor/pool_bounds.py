@@ -20,11 +20,16 @@ from typing import Any, Mapping
 
 from prometheus_client.core import Metric
 
+from .expected_series import gauge_family, level_label
 from .label_text import label_text
 
 POOL_BOUND = "mismatch_pool_bound"
 # metric key -> the pool metadata field that bounds it
 BOUNDS: dict[str, str] = {"mismatch/staleness/max": "max_staleness"}
+
+
+def _is_bound(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def check_pool_bounds(pools: Mapping[str, Mapping[str, Any]] | None) -> None:
@@ -34,7 +39,7 @@ def check_pool_bounds(pools: Mapping[str, Mapping[str, Any]] | None) -> None:
             if field not in meta:
                 continue
             value = meta[field]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if not _is_bound(value):
                 raise ValueError(f"pool {pool!r}: expected {field} to be an integer >= 0 (the most updates its "
                                  f"weights may lag by design; 0 = synced before every step), got {value!r}")
 
@@ -42,16 +47,8 @@ def check_pool_bounds(pools: Mapping[str, Mapping[str, Any]] | None) -> None:
 def declared_bound(metric_key: str, meta: Mapping[str, Any] | None) -> float | None:
     """The bound a pool's metadata declares for ``metric_key`` (None: it declares none)."""
     field = BOUNDS.get(metric_key)
-    if field is None or not meta or field not in meta:
-        return None
-    value = meta[field]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def bound_label(metric_key: str) -> str:
-    return metric_key.removeprefix("mismatch/")
+    value = meta.get(field) if field is not None and meta else None
+    return None if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
 
 
 def pool_bound_samples(pools: Mapping[str, Mapping[str, Any]] | None) -> list[tuple[dict[str, str], float]]:
@@ -61,13 +58,10 @@ def pool_bound_samples(pools: Mapping[str, Mapping[str, Any]] | None) -> list[tu
         for key in BOUNDS:
             bound = declared_bound(key, (pools or {})[pool])
             if bound is not None:
-                out.append(({"pool": label_text(str(pool)), "metric": bound_label(key)}, bound))
+                out.append(({"pool": label_text(str(pool)), "metric": level_label(key)}, bound))
     return out
 
 
 def pool_bound_family(pools: Mapping[str, Mapping[str, Any]] | None) -> Metric:
-    family = Metric(POOL_BOUND, "a bound the pool declares in its metadata (max_staleness: the most updates its "
-                    "weights may lag by design)", "gauge")
-    for labels, value in pool_bound_samples(pools):
-        family.add_sample(POOL_BOUND, labels, value)
-    return family
+    return gauge_family(POOL_BOUND, "a bound the pool declares in its metadata (max_staleness: the most updates "
+                        "its weights may lag by design)", pool_bound_samples(pools))
