@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from mismatch_monitor.metrics import GroupMetrics
+from mismatch_monitor.label_text import label_text
 from mismatch_monitor.report_keys import NULL_TEXT
 from .conditions import Scope, Snapshot
 from .counts import INACTIVE
@@ -76,13 +77,16 @@ class AlertEvaluator:
     def __init__(self, rules: tuple[AlertRule, ...] = DEFAULT_RULES, *,
                  resync_policy: ResyncPolicy = ResyncPolicy(),
                  pools: Mapping[str, Mapping[str, object]] | None = None) -> None:
-        """``pools``: label text -> the pool's metadata (``run.json``: precision, engine); a firing's
-        summary then says how many times its pool's expected healthy level the metric is."""
+        """``pools``: pool label value -> the pool's metadata (``run.json``'s ``pools``, keyed as the
+        collector was given them: precision, engine, max_staleness); a firing's summary then says how
+        many times its pool's expected healthy level the metric is, and declared bounds are judged.
+        The keys are turned into label texts here, as the exporter does (``a/b`` is pool ``a%2Fb``)."""
         rules = tuple(rules)
         check_rules(rules)
         self.rules = rules
         self.resync_policy = resync_policy
-        self.pools = {str(k): dict(v) for k, v in (pools or {}).items()}
+        # keyed by the pool's label value as given (run.json's keys); the snapshots name pools by label text
+        self.pools = {label_text(str(k)): dict(v) for k, v in (pools or {}).items()}
         self._values: dict[str, dict[str, float]] = {}   # pool -> metric -> value at the last step
         windows: dict[tuple[str, Scope], int] = {}
         for rule in rules:

@@ -26,25 +26,25 @@ from mismatch_monitor.pool_bounds import POOL_BOUND
 POOLS = ("bf16", "fp8")
 
 
-def batch(step: int) -> TokenBatch:
+def batch(step: int, names: tuple[str, str] = POOLS) -> TokenBatch:
     """Four sequences per pool, each claiming the trainer's version (= step)."""
     g = torch.Generator().manual_seed(step)
     mu = -(1.0 + torch.rand(8, 16, generator=g, dtype=torch.float64))
-    pools = [POOLS[i // 4] for i in range(8)]
+    pools = [names[i // 4] for i in range(8)]
     return TokenBatch.from_padded(mu + 0.01 * torch.randn(8, 16, generator=g, dtype=torch.float64), mu,
                                   torch.ones(8, 16), labels={"pool": pools}, policy_version=[step] * 8,
                                   trainer_version=step)
 
 
-def failing_pushes(run, pools: dict | None) -> tuple[pd.DataFrame, list]:
-    """Six steps; fp8's pushes fail from step 3 and the trainer records it."""
+def failing_pushes(run, pools: dict | None, names: tuple[str, str] = POOLS) -> tuple[pd.DataFrame, list]:
+    """Six steps; the second pool's pushes fail from step 3 and the trainer records it."""
     asked = []
     with MismatchCollector(run, pools=pools) as mc:
         mc.on_resync(asked.append)
         for step in range(6):
-            mc.log_event("weight_sync", step=step, pool="bf16", version=step)
-            mc.log_event("weight_sync", step=step, pool="fp8", version=step, applied=step < 3)
-            mc.log_step(step, batch(step))
+            mc.log_event("weight_sync", step=step, pool=names[0], version=step)
+            mc.log_event("weight_sync", step=step, pool=names[1], version=step, applied=step < 3)
+            mc.log_step(step, batch(step, names))
     return query.alert_events(query.connect(), run), asked
 
 
@@ -57,6 +57,15 @@ def test_a_failed_push_fires_at_its_step_on_the_pool_that_declares_it_syncs_ever
     # one resync asked, at the first firing; staleness goes on climbing, the alert stays firing
     assert [(e.alert, e.pool, e.step) for e in asked if e.alert == SYNC_BEHIND.name] == [(SYNC_BEHIND.name, "fp8", 3)]
     assert not (alerts["alert"] == "MismatchStalenessHigh").any()          # staleness 3 at step 5: under 4
+
+
+def test_a_pool_named_with_a_slash_is_judged_by_its_own_declaration(tmp_path):
+    """run.json keys the pools by their label values; alerts name them by label text (``a/b`` is
+    ``a%2Fb``): the declaration still reaches the pool."""
+    names = ("bf16 pool", "fp8/ü")
+    alerts, _ = failing_pushes(tmp_path / "run", {p: {"max_staleness": 0} for p in names}, names)
+    fired = alerts[(alerts["alert"] == SYNC_BEHIND.name) & (alerts["state"] == "firing")]
+    assert fired[["step", "pool"]].values.tolist() == [[3, "fp8%2Fü"]]
 
 
 def test_without_the_declaration_the_same_run_waits_for_the_generic_cap(tmp_path):
