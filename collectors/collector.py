@@ -34,6 +34,7 @@ from ..engine import MismatchStats, compute_stats_with_sequences
 from ..exemplars import select_exemplars
 from ..metrics import GroupMetrics, report_by_label
 from ..label_limits import LabelLimit
+from ..label_text import parse_label_text
 from ..report_keys import flatten_report
 from ..store import RunWriter
 from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, MAX_BUFFERED_STEPS, close_and_log
@@ -278,7 +279,9 @@ class MismatchCollector(ErrorKeeping):
             if getattr(event, "resync", False) and getattr(event, "state", None) == "firing":
                 # in the run before the callbacks (which may log the resync they do): from the next step
                 n = len(self._resync_callbacks)
-                self.run_log.event("resync_request", step + 1, getattr(event, "pool", None), None,
+                # the event's pool is its label text; the events table holds pool values, as logged
+                pool = getattr(event, "pool", None)
+                self.run_log.event("resync_request", step + 1, None if pool is None else parse_label_text(pool), None,
                                    f"{getattr(event, 'alert', 'an alert')} asked for a resync at step {step}; "
                                    f"{n} on_resync callback(s) called")
                 if self.exporter is not None:

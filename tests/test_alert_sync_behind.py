@@ -22,6 +22,7 @@ from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.exporter import MismatchExporter
 from mismatch_monitor.pool_bounds import POOL_BOUND
+from mismatch_monitor.query.events import run_events
 
 POOLS = ("bf16", "fp8")
 
@@ -66,6 +67,9 @@ def test_a_pool_named_with_a_slash_is_judged_by_its_own_declaration(tmp_path):
     alerts, _ = failing_pushes(tmp_path / "run", {p: {"max_staleness": 0} for p in names}, names)
     fired = alerts[(alerts["alert"] == SYNC_BEHIND.name) & (alerts["state"] == "firing")]
     assert fired[["step", "pool"]].values.tolist() == [[3, "fp8%2Fü"]]
+    events = run_events(query.connect(), tmp_path / "run")
+    # the resync it asked for is stored under the pool's value, as the pushes are
+    assert events.loc[events["kind"] == "resync_request", "pool"].tolist() == ["fp8/ü"]
 
 
 def test_without_the_declaration_the_same_run_waits_for_the_generic_cap(tmp_path):
