@@ -109,6 +109,16 @@ class AlertEvaluator:
         self._ineffective: dict[str | None, ResyncOutcome] = {}
         self._last_step: int | None = None
 
+    def set_pools(self, pools: Mapping[str, Mapping[str, object]] | None) -> None:
+        """The collector's pools (what it writes to ``run.json``): a pool this evaluator was not
+        given is judged by them; one it was given with other metadata is refused, so a firing never
+        judges a pool by a declaration the run does not record."""
+        for key, meta in (pools or {}).items():
+            label, meta = label_text(str(key)), dict(meta)
+            if self.pools.setdefault(label, meta) != meta:
+                raise ValueError(f"pool {key!r}: the alert evaluator was given {self.pools[label]!r}, the "
+                                 f"collector {meta!r}; pass the pools once (to the collector)")
+
     # ------------------------------------------------------------------ one step
     def observe(self, step: int, wall_time: float, by_pool: pd.DataFrame | GroupMetrics, *,
                 fleet: pd.DataFrame | GroupMetrics | None = None) -> list[AlertEvent]:

@@ -31,7 +31,8 @@ class Evaluator(Protocol):
     """``by_pool``/``fleet``: :class:`GroupMetrics` (``.to_frame()`` gives the frame of
     ``metrics.report``). An evaluator may also define ``observe_event(row)``: the collector then
     hands it every event row it stores (``store/event_log.EVENT_COLUMNS``: weight syncs,
-    resumes, resyncs, resync requests) as it stores them."""
+    resumes, resyncs, resync requests) as it stores them, and ``set_pools(pools)``: the collector
+    then hands it its ``pools`` (``run.json``'s metadata: expected levels, declared bounds)."""
 
     def observe(self, step: int, wall_time: float, by_pool: GroupMetrics, *,
                 fleet: GroupMetrics | None = None) -> list[Any]: ...

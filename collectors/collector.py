@@ -89,8 +89,9 @@ class MismatchCollector(ErrorKeeping):
         self.run_log = RunLog(clock, self._note, strict, self._event_observed)   # events and outcomes
         check_pool_bounds(pools)   # max_staleness: an integer >= 0, checked before anything is written
         self.pools = {k: dict(v) for k, v in (pools or {}).items()}
-        if self.pools and callable(getattr(exporter, "set_pools", None)):   # its expected-level series
-            exporter.set_pools(self.pools)
+        for part in (exporter, self.alert_evaluator):   # the exporter's series, the evaluator's judgement
+            if self.pools and callable(getattr(part, "set_pools", None)):
+                part.set_pools(self.pools)
         self.writer: RunWriter | None = None
         self._finalizer: weakref.finalize | None = None
         self._run_dir = run_dir

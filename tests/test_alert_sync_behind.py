@@ -37,10 +37,11 @@ def batch(step: int, names: tuple[str, str] = POOLS) -> TokenBatch:
                                   trainer_version=step)
 
 
-def failing_pushes(run, pools: dict | None, names: tuple[str, str] = POOLS) -> tuple[pd.DataFrame, list]:
+def failing_pushes(run, pools: dict | None, names: tuple[str, str] = POOLS,
+                   evaluator="default") -> tuple[pd.DataFrame, list]:
     """Six steps; the second pool's pushes fail from step 3 and the trainer records it."""
     asked = []
-    with MismatchCollector(run, pools=pools) as mc:
+    with MismatchCollector(run, pools=pools, alert_evaluator=evaluator) as mc:
         mc.on_resync(asked.append)
         for step in range(6):
             mc.log_event("weight_sync", step=step, pool=names[0], version=step)
@@ -70,6 +71,21 @@ def test_a_pool_named_with_a_slash_is_judged_by_its_own_declaration(tmp_path):
     events = run_events(query.connect(), tmp_path / "run")
     # the resync it asked for is stored under the pool's value, as the pushes are
     assert events.loc[events["kind"] == "resync_request", "pool"].tolist() == ["fp8/ü"]
+
+
+def test_an_evaluator_passed_in_judges_the_pools_the_collector_was_given(tmp_path):
+    """``alert_evaluator=AlertEvaluator()`` beside ``pools=``: the declaration reaches it."""
+    alerts, _ = failing_pushes(tmp_path / "run", {p: {"max_staleness": 0} for p in POOLS}, evaluator=AlertEvaluator())
+    fired = alerts[(alerts["alert"] == SYNC_BEHIND.name) & (alerts["state"] == "firing")]
+    assert fired[["step", "pool"]].values.tolist() == [[3, "fp8"]]
+
+
+def test_an_evaluator_given_other_metadata_for_a_pool_is_refused(tmp_path):
+    evaluator = AlertEvaluator(pools={"fp8": {"max_staleness": 2}, "tpu": {"max_staleness": 0}})
+    with pytest.raises(ValueError, match=r"pool 'fp8': the alert evaluator was given \{'max_staleness': 2\}"):
+        MismatchCollector(tmp_path / "run", pools={"fp8": {"max_staleness": 0}}, alert_evaluator=evaluator)
+    assert not (tmp_path / "run").exists()
+    AlertEvaluator(pools={"fp8/ü": {"max_staleness": 1}}).set_pools({"fp8/ü": {"max_staleness": 1}})   # same: fine
 
 
 def test_without_the_declaration_the_same_run_waits_for_the_generic_cap(tmp_path):
