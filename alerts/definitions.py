@@ -148,6 +148,9 @@ SYNC_BEHIND = AlertRule(
     severity="critical",
     resync=True,
     fix="resync",
+    # a pool that falls behind again within 5 steps of catching up is the same fault, not a new alert
+    # (and its resync did not hold: no further one is asked until it stays caught up 5 steps)
+    keep_firing_steps=5,
     summary="Pool {pool} sampled with weights {value} update(s) older than its pipeline allows: a sync did not apply",
     description=("The largest staleness (trainer step minus the sampler's policy version) in pool {pool} is {value} "
                  "update(s) above the max_staleness the pool declares (its run.json metadata: 0 for a pool synced "
@@ -155,8 +158,9 @@ SYNC_BEHIND = AlertRule(
                  "should have been; no history is needed: this holds from the pool's first step."),
     runbook=("Resynchronise the pool's sampler weights (on_resync is called once per firing). Then find the sync "
              "that did not apply: the run's weight_sync events (a push recorded as not applied, or a fingerprint "
-             "that is not the version's), the engine's reload logs, a worker that stopped taking updates. If it "
-             "falls behind again after the resync, its pipeline is stuck: restart the worker."),
+             "that is not the version's), the engine's reload logs, a worker that stopped taking updates. A pool "
+             "that falls behind again within 5 steps of catching up stays one firing and is asked no second "
+             "resync (the first did not hold): its pipeline is stuck; fix the sync path or restart the worker."),
 )
 
 POOL_OUTLIER = AlertRule(

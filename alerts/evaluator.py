@@ -5,8 +5,10 @@ holds at step ``s`` makes the alert pending; it fires at the first step ``t >= s
 at which it still holds, and resolves at the first step it does not (a missing value counts as
 "does not"). A condition with a clear test (the count, tail and k3 rules) resolves only when
 that test passes, at the same confidence as the one that fired it (hysteresis); a step at
-which its alert is pending or firing stays out of that rule's baseline. Only state changes are
-returned, so a resync callback runs once per firing.
+which its alert is pending or firing stays out of that rule's baseline. A rule with
+``keep_firing_steps`` K stays firing K steps after its condition first stops holding and resolves
+at the K-th (Prometheus ``keep_firing_for``); a condition back within them continues the same
+firing. Only state changes are returned, so a resync callback runs once per firing.
 
     evaluator = AlertEvaluator()
     events = evaluator.observe(step, time.time(), metrics.report(stats, by=["pool"]))
@@ -17,7 +19,7 @@ After a restart, :meth:`AlertEvaluator.replay` rebuilds the state from the store
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable, Literal, Mapping
 
 import numpy as np
@@ -31,7 +33,7 @@ from .counts import INACTIVE
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
 from .levels import expected_note, with_bounds, with_levels
-from .resync import NUMERIC_NOTE, ResyncOutcome, ResyncPolicy
+from .resync import NUMERIC_NOTE, RELAPSE_NOTE, ResyncOutcome, ResyncPolicy
 from .rules import AlertRule, Fix, Severity, check_rules
 from .steps import _snapshot, iter_steps
 
@@ -71,6 +73,7 @@ class _Active:
     since: int
     value: float
     firing: bool = False
+    clear_since: int | None = None    # held firing (keep_firing_steps) since this step, its condition clear
 
 
 class AlertEvaluator:
@@ -107,6 +110,8 @@ class AlertEvaluator:
         self._watching: dict[str | None, tuple[int, str]] = {}     # pool -> (request step, alert)
         self._outcomes: list[ResyncOutcome] = []
         self._ineffective: dict[str | None, ResyncOutcome] = {}
+        self._relapsed: dict[str | None, ResyncOutcome] = {}   # pool -> the last resync that did not hold
+        self._repeats: list[AlertEvent] = []   # the last step's resyncs asked by held alerts (a relapse)
         self._last_step: int | None = None
 
     def set_pools(self, pools: Mapping[str, Mapping[str, object]] | None) -> None:
@@ -139,6 +144,7 @@ class AlertEvaluator:
         self._values = {p: {k: float(v[i]) for k, v in now.values.items()} for i, p in enumerate(now.pools)}
         events: list[AlertEvent] = []
         requested: set[str | None] = set()
+        self._repeats = []
         self._undecided_now = []
         for rule in self.rules:
             now = snapshots[rule.scope]
@@ -150,15 +156,26 @@ class AlertEvaluator:
                 state = self._active.get((rule.name, pool))
                 if state is None:
                     state = self._active[(rule.name, pool)] = _Active(since=step, value=value)
+                elif state.clear_since is not None:   # back while held firing: the same firing goes on
+                    state.clear_since = None
+                    if self._relapse(rule, pool, step, state) and self._may_resync(rule, pool, step, requested):
+                        self._repeats.append(self._event(rule, pool, "firing", step, wall_time, state, True, note=True))
                 state.value = value
                 if not state.firing and step - state.since >= rule.for_steps:
                     state.firing = True
                     resync = rule.resync and self._may_resync(rule, pool, step, requested)
                     events.append(self._event(rule, pool, "firing", step, wall_time, state, resync, note=True))
             for (name, pool) in [k for k in self._active if k[0] == rule.name and k[1] not in holding]:
-                state = self._active.pop((name, pool))
+                state = self._active[(name, pool)]
+                if state.firing and rule.keep_firing_steps:
+                    state.clear_since = step if state.clear_since is None else state.clear_since
+                    if step - state.clear_since < rule.keep_firing_steps:
+                        continue
+                del self._active[(name, pool)]
                 if state.firing:
                     events.append(self._event(rule, pool, "resolved", step, wall_time, state, False))
+                    if pool in self._relapsed and self._relapsed[pool].alert == rule.name:
+                        del self._relapsed[pool]   # caught up and stayed so: its pipeline works again
         self._check_resyncs(step)
         for scope, now in snapshots.items():
             derived = _with_derived(now, self.rules, scope, set(self._active))   # after this step
@@ -214,11 +231,31 @@ class AlertEvaluator:
             self._watching[pool] = (step, rule.name)
         return True
 
+    def _relapse(self, rule: AlertRule, pool: str | None, step: int, state: _Active) -> bool:
+        """The condition of a held firing came back. True when the resync this firing asked last
+        had cleared it: that resync did not hold (lag again: one more resync helps, for a while)."""
+        for i in range(len(self._outcomes) - 1, -1, -1):
+            outcome = self._outcomes[i]
+            if outcome.pool == pool and outcome.alert == rule.name and outcome.requested_step >= state.since:
+                if outcome.helped and outcome.relapsed_step is None:
+                    self._outcomes[i] = self._relapsed[pool] = replace(outcome, relapsed_step=step)
+                    return True
+                return False
+        return False
+
+    def repeat_requests(self) -> list[AlertEvent]:
+        """The resyncs the last step asked for without a state change: a held firing (a rule with
+        ``keep_firing_steps``) whose pool fell behind again after the resync it asked. Each is the
+        alert as firing, ``resync=True``, its description naming the resync that did not hold; it
+        is not a new firing (the alerts table does not store it), the run's events do."""
+        return list(self._repeats)
+
     def _check_resyncs(self, step: int) -> None:
-        """Decide each watched request: its alert resolved (helped) or still fires past the watch."""
+        """Decide each watched request: its alert's condition cleared (helped; a held firing counts
+        as cleared) or it still holds past the watch."""
         for pool, (requested_step, alert) in list(self._watching.items()):
             state = self._active.get((alert, pool))
-            firing = state is not None and state.firing
+            firing = state is not None and state.firing and state.clear_since is None
             if firing and step - requested_step < self.resync_policy.watch_steps:
                 continue
             outcome = ResyncOutcome(pool, alert, requested_step, step, helped=not firing)
@@ -238,6 +275,10 @@ class AlertEvaluator:
         if note and rule.resync and state == "firing" and futile is not None:
             description += NUMERIC_NOTE.format(pool=pool, step=futile.requested_step, alert=futile.alert,
                                                watch=self.resync_policy.watch_steps)
+        stuck = self._relapsed.get(pool)
+        if note and rule.resync and state == "firing" and stuck is not None:
+            description += RELAPSE_NOTE.format(pool=pool, step=stuck.requested_step, alert=stuck.alert,
+                                               relapse=stuck.relapsed_step)
         return AlertEvent(
             step=step, wall_time=float(wall_time), alert=rule.name, severity=rule.severity, pool=pool,
             state=state, value=active.value, threshold=rule.threshold,

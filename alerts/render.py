@@ -13,7 +13,8 @@ pending and firing alert, read at the next evaluation): ``(enter) or on(pool) (s
 on(pool) ALERTS{alertstate="firing"} unless on(pool) (clear))``, and a rule's baseline series
 record a step only ``unless on(pool) ALERTS{alertname=...}``.
 
-Compatible with Prometheus 2.42: no ``query_offset``, no group ``labels``, no ``keep_firing_for``.
+Compatible with Prometheus 2.42: no ``query_offset``, no group ``labels`` (``keep_firing_for``
+came in 2.42 and is used).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def alert_rule(rule: AlertRule, step_seconds: float) -> tuple[dict[str, Any], tu
     out: dict[str, Any] = {"alert": rule.name, "expr": expr}
     if rule.for_steps:
         out["for"] = duration(rule.for_steps * step_seconds)
+    if rule.keep_firing_steps:
+        out["keep_firing_for"] = duration(rule.keep_firing_steps * step_seconds)
     out["labels"] = rule.labels
     out["annotations"] = {f: rule.template(f) for f in ("summary", "description", "runbook")}
     out["annotations"]["summary"] += note_template(rule)   # "x times its expected healthy level"
@@ -152,6 +155,8 @@ def markdown_table(rules: tuple[AlertRule, ...] = DEFAULT_RULES) -> str:
     for r in rules:
         scope = "per pool" if r.scope == "pool" else "fleet"
         rows.append(f"| `{r.name}` | {r.severity} | {r.condition.explain()} ({scope}) | "
-                    f"{r.for_steps + 1} step{'s' if r.for_steps else ''} | {'yes' if r.resync else 'no'} | "
+                    f"{r.for_steps + 1} step{'s' if r.for_steps else ''}"
+                    f"{f'; fires on {r.keep_firing_steps} steps after it clears' if r.keep_firing_steps else ''} | "
+                    f"{'yes' if r.resync else 'no'} | "
                     f"`{r.fix}` |")
     return "\n".join(rows) + "\n"

@@ -3,14 +3,18 @@
 A resync fixes policy lag (stale or unapplied weights); it cannot fix a numeric discrepancy (a
 precision, a kernel, an LM head). The evaluator watches each request: if the alert that asked
 has not resolved ``watch_steps`` steps later, the fault looks numeric and no resync is asked for
-that pool again; its later firings say so and name the fix that applies instead.
+that pool again; its later firings say so and name the fix that applies instead. A request whose
+alert's condition cleared but came back while the alert was still held firing (a rule with
+``keep_firing_steps``: the pool fell behind again within steps of its resync) helped but did not
+hold: it is lag again, so the same firing asks for one more resync (``repeat_requests``), and says
+that the pool's sync path keeps failing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["NUMERIC_NOTE", "ResyncOutcome", "ResyncPolicy"]
+__all__ = ["NUMERIC_NOTE", "RELAPSE_NOTE", "ResyncOutcome", "ResyncPolicy"]
 
 
 @dataclass(frozen=True)
@@ -34,17 +38,24 @@ class ResyncPolicy:
 
 @dataclass(frozen=True)
 class ResyncOutcome:
-    """A resync request and what followed: ``helped`` when its alert resolved within the
-    policy's ``watch_steps`` (``checked_step``: the step that decided)."""
+    """A resync request and what followed: ``helped`` when its alert's condition cleared within
+    the policy's ``watch_steps`` (``checked_step``: the step that decided); ``relapsed_step``: the
+    step the condition came back while the alert was still held firing (the resync did not hold)."""
 
     pool: str | None
     alert: str
     requested_step: int
     checked_step: int
     helped: bool
+    relapsed_step: int | None = None
 
 
 NUMERIC_NOTE = (" A resync of {pool} at step {step} ({alert}) did not clear it within {watch} steps: the "
                 "fault looks numeric, not lag, so no further resync is asked for this pool. Fix it at the source "
                 "(FP32 LM head, matched precision, batch-invariant kernels) or correct it per pool (a tighter "
                 "cap) instead.")
+
+RELAPSE_NOTE = (" A resync of {pool} at step {step} cleared {alert}, but the pool fell behind again at step "
+                "{relapse}: its weight sync keeps failing and each resync holds only until the next failed sync. "
+                "The alert stays firing and asks for a resync each time this repeats; fix the sync path (the "
+                "engine's weight-update call and its result, a worker that stopped taking updates).")

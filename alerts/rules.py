@@ -57,8 +57,11 @@ def _fields(text: str) -> set[str]:
 @dataclass(frozen=True)
 class AlertRule:
     """One alert. ``for_steps``: the condition must hold on this many steps after the first
-    before the alert fires (Prometheus ``for:``); ``resync``: a firing asks the trainer to
-    resynchronise the pool's sampler weights; ``fix``: the remedy the data points at first."""
+    before the alert fires (Prometheus ``for:``); ``keep_firing_steps``: a firing alert whose
+    condition stops holding stays firing this many steps, and a condition that holds again
+    within them continues the same firing (Prometheus ``keep_firing_for:``; a relapse, not a new
+    alert); ``resync``: a firing asks the trainer to resynchronise the pool's sampler weights;
+    ``fix``: the remedy the data points at first."""
 
     name: str
     condition: Condition
@@ -70,6 +73,7 @@ class AlertRule:
     resync: bool = False
     for_steps: int = 0
     scope: Scope = "pool"
+    keep_firing_steps: int = 0
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Z][A-Za-z0-9]*", self.name):
@@ -84,6 +88,9 @@ class AlertRule:
             raise ValueError(f"expected scope 'pool' for {self.name} (an outlier among pools), got {self.scope!r}")
         if not (isinstance(self.for_steps, int) and self.for_steps >= 0):
             raise ValueError(f"expected integer for_steps >= 0, got {self.for_steps!r}")
+        if not (isinstance(self.keep_firing_steps, int) and not isinstance(self.keep_firing_steps, bool)
+                and self.keep_firing_steps >= 0):
+            raise ValueError(f"expected integer keep_firing_steps >= 0, got {self.keep_firing_steps!r}")
         if not isinstance(self.resync, bool):
             raise ValueError(f"expected resync to be a bool, got {self.resync!r}")
         for field in ("summary", "description", "runbook"):

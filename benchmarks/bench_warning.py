@@ -90,7 +90,7 @@ def run(config, steps: int, name: str = "") -> tuple[list, AlertEvaluator, int, 
                 kept[1].append(fleet.to_frame().assign(step=out.step))
             step_events = evaluator.observe(out.step, time.time(), by_pool, fleet=fleet)
             events += step_events
-            for e in step_events:
+            for e in step_events + evaluator.repeat_requests():   # a held firing asks again on relapse
                 if e.state == "firing" and e.resync:
                     sim.resync(e.pool)
     finally:
@@ -148,7 +148,8 @@ def faults(onsets: list[int], horizon: int, seed: int, kinds: tuple[str, ...], v
             rows.append((kind, pool, onset, None if first is None else first.step - onset,
                          None if first is None else first.step - effect, effect,
                          "" if first is None else first.alert, len(false),
-                         ", ".join(f"{o.requested_step}:{'helped' if o.helped else 'no effect'}" for o in outcomes)))
+                         ", ".join(f"{o.requested_step}:{'no effect' if not o.helped else 'helped' if o.relapsed_step is None else f'helped, relapsed at {o.relapsed_step}'}"
+                                   for o in outcomes)))
             print(f"fault {kind} on {pool} from step {onset}: {sorted({(e.step, e.alert) for e in on_pool})[:6]} "
                   f"false: {[(e.step, e.alert, e.pool) for e in false]}")
     print("\n| fault | pool | onset | latency (steps) | first effect | latency after it | first alert | "

@@ -212,13 +212,14 @@ class MismatchCollector(ErrorKeeping):
             by_pool, fleet = report_by_label(stats, "pool", self.config)
             if self.writer is not None:
                 events = self._evaluate_alerts(index, wall, by_pool, fleet)
+                repeats = self._repeat_requests()
                 self.writer.append_alerts([e.to_row() for e in events])
                 self.writer.append_step(index, stats, exemplars, wall_time=wall,
                                         collector_errors=self.error_count)
                 self._check_store()
                 if self.exporter is not None:
                     self.exporter.observe(index, stats)
-                self._dispatch(events, index)
+                self._dispatch(events, index, repeats)
             out = flatten_report(fleet, by_pool, stats, config=self.config, limit=self.label_limit)
             out["mismatch/collector_errors"] = float(self.error_count)
             return out
@@ -273,22 +274,35 @@ class MismatchCollector(ErrorKeeping):
             return []
         return list(self.alert_evaluator.observe(step, wall, by_pool, fleet=fleet))
 
-    def _dispatch(self, events: Sequence[Any], step: int) -> None:
+    def _repeat_requests(self) -> list[Any]:
+        """Resyncs a held firing asked for again (``AlertEvaluator.repeat_requests``): no new alert."""
+        repeats = getattr(self.alert_evaluator, "repeat_requests", None)
+        return [] if repeats is None else list(repeats())
+
+    def _dispatch(self, events: Sequence[Any], step: int, repeats: Sequence[Any] = ()) -> None:
+        """Alert callbacks for each state change; a resync for each firing that asks one and for
+        each repeat request (a held firing whose pool fell behind again after its last resync)."""
         for event in events:
             for fn in self._alert_callbacks:
                 self._call(fn, event, "on_alert", step)
             if getattr(event, "resync", False) and getattr(event, "state", None) == "firing":
-                # in the run before the callbacks (which may log the resync they do): from the next step
-                n = len(self._resync_callbacks)
-                # the event's pool is its label text; the events table holds pool values, as logged
-                pool = getattr(event, "pool", None)
-                self.run_log.event("resync_request", step + 1, None if pool is None else parse_label_text(pool), None,
-                                   f"{getattr(event, 'alert', 'an alert')} asked for a resync at step {step}; "
-                                   f"{n} on_resync callback(s) called")
-                if self.exporter is not None:
-                    self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter", step)
-                for fn in self._resync_callbacks:
-                    self._call(fn, event, "on_resync", step)
+                self._request_resync(event, step, "asked for a resync")
+        for event in repeats:
+            self._request_resync(event, step, f"(firing since step {getattr(event, 'since_step', '?')}) asked for "
+                                 "another resync: the pool fell behind again after the last one")
+
+    def _request_resync(self, event: Any, step: int, what: str) -> None:
+        # in the run before the callbacks (which may log the resync they do): from the next step
+        n = len(self._resync_callbacks)
+        # the event's pool is its label text; the events table holds pool values, as logged
+        pool = getattr(event, "pool", None)
+        self.run_log.event("resync_request", step + 1, None if pool is None else parse_label_text(pool), None,
+                           f"{getattr(event, 'alert', 'an alert')} {what} at step {step}; "
+                           f"{n} on_resync callback(s) called")
+        if self.exporter is not None:
+            self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter", step)
+        for fn in self._resync_callbacks:
+            self._call(fn, event, "on_resync", step)
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:

@@ -93,15 +93,31 @@ def test_without_the_declaration_the_same_run_waits_for_the_generic_cap(tmp_path
     assert not (alerts["alert"] == SYNC_BEHIND.name).any()
 
 
-def test_the_evaluator_fires_past_each_pools_own_bound_and_resolves_back_under_it():
-    staleness = {"async": [0, 1, 2, 2, 3, 4, 2, 2], "sync": [0, 0, 1, 0, 0, 0, 0, 0], "free": [0, 1, 2, 9, 9, 9, 0, 0]}
-    history = pd.DataFrame([{"step": s, "pool": p, "mismatch/staleness/max": float(v)}
-                            for p, values in staleness.items() for s, v in enumerate(values)])
-    _, events = AlertEvaluator.replay(history, rules=(SYNC_BEHIND,),
+def staleness_history(staleness: dict[str, list[int]]) -> pd.DataFrame:
+    return pd.DataFrame([{"step": s, "pool": p, "mismatch/staleness/max": float(v)}
+                         for p, values in staleness.items() for s, v in enumerate(values)])
+
+
+def test_the_evaluator_fires_past_each_pools_own_bound_and_resolves_once_caught_up_for_the_hold():
+    assert SYNC_BEHIND.keep_firing_steps == 5
+    staleness = {"async": [0, 1, 2, 2, 3, 4, 2, 2] + [1] * 6, "sync": [0, 0, 1] + [0] * 11,
+                 "free": [0, 1, 2, 9, 9, 9] + [0] * 8}
+    _, events = AlertEvaluator.replay(staleness_history(staleness), rules=(SYNC_BEHIND,),
                                       pools={"async": {"max_staleness": 2}, "sync": {"max_staleness": 0}})
     got = [(e.step, e.pool, e.state, e.value) for e in events]
-    assert got == [(2, "sync", "firing", 1.0), (3, "sync", "resolved", 1.0),
-                   (4, "async", "firing", 1.0), (6, "async", "resolved", 2.0)]   # "free" declares nothing
+    # clear from step 3 (sync) and 6 (async): held firing 5 steps, resolved at the fifth ("free" declares nothing)
+    assert got == [(2, "sync", "firing", 1.0), (4, "async", "firing", 1.0),
+                   (8, "sync", "resolved", 1.0), (11, "async", "resolved", 2.0)]
+
+
+def test_a_pool_that_falls_behind_again_within_the_hold_is_one_firing():
+    staleness = {"sync": [0, 1, 0, 1, 0, 2, 0, 0, 0, 0, 0, 0, 1, 0]}
+    _, events = AlertEvaluator.replay(staleness_history(staleness), rules=(SYNC_BEHIND,),
+                                      pools={"sync": {"max_staleness": 0}})
+    # back at steps 3 and 5, within 5 steps of clearing: one firing, resolved 5 steps after the last clear
+    # (step 11); step 12 is a new fault
+    assert [(e.step, e.state, e.since_step) for e in events] == [(1, "firing", 1), (11, "resolved", 1),
+                                                                   (12, "firing", 12)]
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "2", None])
@@ -116,3 +132,28 @@ def test_the_exporter_serves_each_declared_bound():
     samples = [s for family in exporter.collect() if family.name == POOL_BOUND for s in family.samples]
     assert sorted((s.labels["pool"], s.labels["metric"], s.value) for s in samples) == [
         ("a", "staleness/max", 2.0), ("c", "staleness/max", 0.0)]
+
+
+def test_a_pool_whose_syncs_keep_failing_is_one_firing_that_asks_a_resync_each_time_it_falls_behind(tmp_path):
+    """fp8's pushes fail from step 3; each resync asked applies at the next step and the push after
+    it fails again: one stored firing, held all run, and a resync asked at each relapse, each
+    naming the one before it that did not hold."""
+    asked, resync_at = [], set()
+    with MismatchCollector(tmp_path / "run", pools={p: {"max_staleness": 0} for p in POOLS}) as mc:
+        mc.on_resync(lambda event: (asked.append(event), resync_at.add(step + 1)))
+        for step in range(12):
+            mc.log_event("weight_sync", step=step, pool="bf16", version=step)
+            mc.log_event("weight_sync", step=step, pool="fp8", version=step, applied=step < 3 or step in resync_at)
+            mc.log_step(step, batch(step))
+        outcomes = mc.alert_evaluator.resync_outcomes()
+    alerts = query.alert_events(query.connect(), tmp_path / "run")
+    assert alerts[["step", "alert", "pool", "state"]].values.tolist() == [[3, SYNC_BEHIND.name, "fp8", "firing"]]
+    assert [(e.alert, e.step, e.since_step) for e in asked] == [(SYNC_BEHIND.name, s, 3) for s in (3, 5, 7, 9, 11)]
+    assert [(o.requested_step, o.helped, o.relapsed_step) for o in outcomes] == [
+        (3, True, 5), (5, True, 7), (7, True, 9), (9, True, 11)]          # step 11's is still watched
+    assert ("A resync of fp8 at step 3 cleared MismatchSyncBehind, but the pool fell behind again at step 5"
+            in asked[1].description)
+    events = run_events(query.connect(), tmp_path / "run")
+    requests = events[events["kind"] == "resync_request"]
+    assert requests["step"].tolist() == [4, 6, 8, 10, 12]
+    assert "asked for another resync: the pool fell behind again after the last one at step 5" in requests["message"].iloc[1]
