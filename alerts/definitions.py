@@ -133,11 +133,13 @@ STALENESS_HIGH = AlertRule(
     severity="critical",
     resync=True,
     fix="resync",
+    keep_firing_steps=5,   # back above the cap within 5 steps of a resync: the same fault (MismatchSyncBehind)
     summary="Pool {pool} sampled with weights {value} steps old",
     description=("The largest staleness (trainer step minus the sampler's policy version) in pool "
                  "{pool} is {value}, above the cap of {threshold} steps."),
     runbook=("Policy lag feeds on itself: resynchronise the pool's sampler weights (on_resync is "
-             "called once per firing) and bound the asynchronous queue so no rollout is older than "
+             "called once per firing, and again each time the pool falls back above the cap within 5 steps of "
+             "a resync) and bound the asynchronous queue so no rollout is older than "
              "the cap."),
 )
 
@@ -149,7 +151,7 @@ SYNC_BEHIND = AlertRule(
     resync=True,
     fix="resync",
     # a pool that falls behind again within 5 steps of catching up is the same fault, not a new alert
-    # (and its resync did not hold: no further one is asked until it stays caught up 5 steps)
+    # (its resync did not hold: the firing asks another, evaluator.repeat_requests)
     keep_firing_steps=5,
     summary="Pool {pool} sampled with weights {value} update(s) older than its pipeline allows: a sync did not apply",
     description=("The largest staleness (trainer step minus the sampler's policy version) in pool {pool} is {value} "
@@ -159,8 +161,8 @@ SYNC_BEHIND = AlertRule(
     runbook=("Resynchronise the pool's sampler weights (on_resync is called once per firing). Then find the sync "
              "that did not apply: the run's weight_sync events (a push recorded as not applied, or a fingerprint "
              "that is not the version's), the engine's reload logs, a worker that stopped taking updates. A pool "
-             "that falls behind again within 5 steps of catching up stays one firing and is asked no second "
-             "resync (the first did not hold): its pipeline is stuck; fix the sync path or restart the worker."),
+             "that falls behind again within 5 steps of catching up stays one firing and is resynced again (each "
+             "resync_request event says so): its pipeline is stuck; fix the sync path or restart the worker."),
 )
 
 POOL_OUTLIER = AlertRule(

@@ -18,7 +18,7 @@ import pandas as pd
 from mismatch_monitor import query
 from mismatch_monitor.engine.histogram import QUANTILES
 from mismatch_monitor.metrics import METRICS
-from mismatch_monitor.query.events import run_events, run_outcomes
+from mismatch_monitor.query.events import resync_requests, run_events, run_outcomes
 from mismatch_monitor.store import read_run_info
 
 from .routing_cells import with_zero_flips
@@ -103,9 +103,21 @@ def meta(con: Con, run_dir: Path) -> Frames:
             "pools": query.distinct_values(con, run_dir, "sequences", "pool")}
 
 
+def asked_resyncs(alerts: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
+    """Every resync the alerts asked for: step, pool, alert. The run's ``resync_request`` events
+    where it logged them (a held firing asks again at each relapse, without a new alert row), else
+    the firings that asked one (a run whose alerts were evaluated elsewhere)."""
+    requests = resync_requests(events)
+    if len(requests):
+        return requests
+    asked = alerts[(alerts["state"] == "firing") & alerts["resync"].fillna(False).astype(bool)]
+    return asked[["step", "pool", "alert"]].reset_index(drop=True)
+
+
 def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) -> Frames:
     out, span = _start(con, run_dir, window, max_points)
     out["events"] = query.alert_events(con, run_dir)
+    out["resyncs"] = asked_resyncs(out["events"], run_events(con, run_dir))
     out["firing"] = query.firing_alerts(out["events"])
     out["errors"] = query.error_messages(query.collector_errors(con, run_dir))
     index = out["index"]
@@ -217,7 +229,7 @@ def alerts(con: Con, run_dir: Path, *, window: int | None, max_points: int,
     out["events"] = events
     out["run_events"] = _in_span(run_events(con, run_dir), span)   # syncs, resumes, resyncs (may be none)
     out["firing"] = query.firing_alerts(events)
-    out["resyncs"] = events[(events["state"] == "firing") & events["resync"].fillna(False).astype(bool)]
+    out["resyncs"] = asked_resyncs(events, out["run_events"])
     if span is None or metric is None:
         return out
     kw: dict[str, Any] = dict(first=span.origin, width=span.width, steps=span.steps, metrics=[metric])

@@ -34,7 +34,7 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         alerts_col, outcomes_col = st.columns([3, 2]) if shown else (st.container(), None)
         with alerts_col:
             st.subheader("What changed, in which pool, since when")
-            changed = timeline.changes(events, span.last, loaders.SPARK_STEPS)
+            changed = timeline.changes(events, span.last, loaders.SPARK_STEPS, d.get("resyncs"))
             if not len(events):
                 layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
             elif not len(changed):

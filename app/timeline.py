@@ -188,10 +188,12 @@ def _column_axes(fig: go.Figure) -> list[str]:
     return [cell[0].layout_keys[0].replace("axis", "") for cell in grid[0] if cell]
 
 
-def changes(events: pd.DataFrame, last_step: int, recent: int) -> pd.DataFrame:
+def changes(events: pd.DataFrame, last_step: int, recent: int, resyncs: pd.DataFrame | None = None) -> pd.DataFrame:
     """What changed, in which pool, since when: one row per (alert, pool) that is firing now or
     resolved within the last ``recent`` steps up to ``last_step``; firing first, newest first.
-    ``since`` is the step of its latest event; ``first_fired`` its first firing in the run."""
+    ``since`` is the step of its latest event; ``first_fired`` its first firing in the run;
+    ``resyncs`` the resyncs it asked (``resyncs``: step, pool, alert of each; else its firings
+    that asked one)."""
     cols = ["state", "alert", "severity", "pool", "since", "first_fired", "episodes", "resyncs", "value",
             "threshold", "summary"]
     if not len(events):
@@ -203,6 +205,9 @@ def changes(events: pd.DataFrame, last_step: int, recent: int) -> pd.DataFrame:
         first_fired=("step", "min"), episodes=("step", "size"), resyncs=("_resync", "sum"))
     last = ev.groupby(keys, dropna=False).tail(1).rename(columns={"step": "since"})
     last = last[(last["state"] == "firing") | (last["since"] >= last_step - recent + 1)]
+    if resyncs is not None:
+        asked = resyncs.groupby(keys, dropna=False).size().rename("resyncs")
+        agg = agg.drop(columns="resyncs").join(asked, how="left").fillna({"resyncs": 0}).astype({"resyncs": "int64"})
     out = last.merge(agg.reset_index(), on=keys, how="left")
     out = out.assign(_order=(out["state"] != "firing").astype(int)).sort_values(
         ["_order", "since"], ascending=[True, False], kind="stable")

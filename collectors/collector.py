@@ -37,6 +37,7 @@ from ..label_limits import LabelLimit
 from ..label_text import parse_label_text
 from ..report_keys import flatten_report
 from ..store import RunWriter
+from ..store.event_log import resync_request_message
 from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, MAX_BUFFERED_STEPS, close_and_log
 from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warnings, with_pool_labels
 from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
@@ -297,8 +298,7 @@ class MismatchCollector(ErrorKeeping):
         # the event's pool is its label text; the events table holds pool values, as logged
         pool = getattr(event, "pool", None)
         self.run_log.event("resync_request", step + 1, None if pool is None else parse_label_text(pool), None,
-                           f"{getattr(event, 'alert', 'an alert')} {what} at step {step}; "
-                           f"{n} on_resync callback(s) called")
+                           resync_request_message(getattr(event, "alert", "an alert"), what, step, n))
         if self.exporter is not None:
             self._call(lambda e: self.exporter.count_resync(e.pool), event, "exporter", step)
         for fn in self._resync_callbacks:

@@ -17,7 +17,8 @@ import torch
 
 from mismatch_monitor import query
 from mismatch_monitor.alerts import AlertEvaluator
-from mismatch_monitor.alerts.definitions import SYNC_BEHIND
+from mismatch_monitor.app import loaders
+from mismatch_monitor.alerts.definitions import STALENESS_HIGH, SYNC_BEHIND
 from mismatch_monitor.batch import TokenBatch
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.exporter import MismatchExporter
@@ -157,3 +158,15 @@ def test_a_pool_whose_syncs_keep_failing_is_one_firing_that_asks_a_resync_each_t
     requests = events[events["kind"] == "resync_request"]
     assert requests["step"].tolist() == [4, 6, 8, 10, 12]
     assert "asked for another resync: the pool fell behind again after the last one at step 5" in requests["message"].iloc[1]
+    # the dashboard counts each of them (one alert row, five resyncs)
+    asked = loaders.asked_resyncs(alerts, events)
+    assert asked[["step", "pool", "alert"]].values.tolist() == [[s, "fp8", SYNC_BEHIND.name] for s in (4, 6, 8, 10, 12)]
+
+
+def test_a_pool_without_a_declaration_stuck_behind_is_one_staleness_firing():
+    """No max_staleness: the generic cap judges it, held the same way: resynced at each firing or
+    relapse (staleness back to 0), back above 4 five steps later, one firing."""
+    staleness = [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5] + [0] * 8
+    _, events = AlertEvaluator.replay(staleness_history({"free": staleness}), rules=(STALENESS_HIGH,))
+    # clear from step 6, back at 11 (held: 5 steps), clear from 12, back at 17, clear from 18: resolved at 23
+    assert [(e.step, e.state) for e in events] == [(5, "firing"), (23, "resolved")]

@@ -178,6 +178,16 @@ def test_changes_list_firing_first_then_recently_resolved_with_since() -> None:
     assert list(timeline.changes(events_frame(), last_step=20, recent=5)["alert"]) == ["B", "S"]
 
 
+def test_changes_count_every_resync_a_held_firing_asked() -> None:
+    """A held firing asks again at each relapse without a new alert row: its resyncs come from the
+    run's resync_request events (a fleet-wide alert's pool is null)."""
+    events = pd.concat([events_frame(), events_frame().iloc[[3]].assign(alert="F", pool=None, resync=True)])
+    asked = pd.DataFrame({"step": [8, 11, 14, 10], "pool": ["async", "async", "async", None],
+                          "alert": ["S", "S", "S", "F"]})
+    got = timeline.changes(events, last_step=14, recent=20, resyncs=asked).set_index("alert")
+    assert got["resyncs"].to_dict() == {"S": 3, "F": 1, "B": 0, "A": 0}
+
+
 def test_formats_come_from_the_metric_declarations() -> None:
     from mismatch_monitor.app import formatting
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import duckdb
 import pandas as pd
 
-from ..store.event_log import EVENT_COLUMNS, EVENTS_TABLE, OUTCOME_COLUMNS, OUTCOMES_TABLE, empty_frame
+from ..label_text import label_text
+from ..store.event_log import EVENT_COLUMNS, EVENTS_TABLE, OUTCOME_COLUMNS, OUTCOMES_TABLE, empty_frame, requested_by
 from ..store.schema import file_id_of
 from .core import RunDir, _retry, current_files, metric_series
 
@@ -40,6 +41,17 @@ def run_events(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame:
     """Every weight sync, resume, resync and resync request of the run, by step: step,
     wall_time, kind, pool (null: every pool), version (null: unknown), message."""
     return _read(con, run_dir, EVENTS_TABLE, _EVENTS_SQL, EVENT_COLUMNS)
+
+
+def resync_requests(events: pd.DataFrame) -> pd.DataFrame:
+    """The resync requests among ``run_events``' rows: step, pool (its label text, as the alerts
+    table names pools; null: the fleet) and alert (the rule that asked). A held firing asks again
+    each time its pool falls behind after a resync, so a firing may own several."""
+    rows = events[events["kind"] == "resync_request"]
+    return pd.DataFrame({"step": rows["step"].astype("int64").to_numpy(),
+                         "pool": pd.Series([None if pd.isna(p) else label_text(str(p)) for p in rows["pool"]],
+                                           dtype="object"),
+                         "alert": pd.Series([requested_by(m) for m in rows["message"]], dtype="object")})
 
 
 def run_outcomes(con: duckdb.DuckDBPyConnection, run_dir: RunDir) -> pd.DataFrame:

@@ -23,6 +23,16 @@ import pandas as pd
 EVENTS_TABLE = "events"
 OUTCOMES_TABLE = "outcomes"
 EVENT_KINDS: tuple[str, ...] = ("weight_sync", "resume", "resync", "resync_request")
+
+
+def resync_request_message(alert: str, what: str, step: int, callbacks: int) -> str:
+    """A ``resync_request`` event's message: the alert that asked comes first (``requested_by``)."""
+    return f"{alert} {what} at step {step}; {callbacks} on_resync callback(s) called"
+
+
+def requested_by(message: object) -> str | None:
+    """The alert named by a ``resync_request`` message (its first word); None when there is none."""
+    return message.split(" ", 1)[0] if isinstance(message, str) and message.strip() else None
 EVENT_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "kind": "string",
                                  "pool": "string", "version": "Int64", "message": "string"}
 OUTCOME_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "pool": "string",
