@@ -110,6 +110,7 @@ class AlertEvaluator:
         self._watching: dict[str | None, tuple[int, str]] = {}     # pool -> (request step, alert)
         self._outcomes: list[ResyncOutcome] = []
         self._ineffective: dict[str | None, ResyncOutcome] = {}
+        self._refired: set[str | None] = set()   # pools whose watched alert fired again during the watch
         self._relapsed: dict[str | None, ResyncOutcome] = {}   # pool -> the last resync that did not hold
         self._repeats: list[AlertEvent] = []   # the last step's resyncs asked by held alerts (a relapse)
         self._last_step: int | None = None
@@ -163,6 +164,8 @@ class AlertEvaluator:
                 state.value = value
                 if not state.firing and step - state.since >= rule.for_steps:
                     state.firing = True
+                    if self._watching.get(pool, (None, None))[1] == rule.name:
+                        self._refired.add(pool)     # fired again while its resync is watched
                     resync = rule.resync and self._may_resync(rule, pool, step, requested)
                     events.append(self._event(rule, pool, "firing", step, wall_time, state, resync, note=True))
             for (name, pool) in [k for k in self._active if k[0] == rule.name and k[1] not in holding]:
@@ -251,18 +254,26 @@ class AlertEvaluator:
         return list(self._repeats)
 
     def _check_resyncs(self, step: int) -> None:
-        """Decide each watched request: its alert's condition cleared (helped; a held firing counts
-        as cleared) or it still holds past the watch."""
+        """Decide each watched request. A rule held by ``keep_firing_steps`` (exact bookkeeping:
+        staleness) is helped at the first step its condition clears (a relapse is then lag again);
+        any other at the end of the watch: helped when its alert is not firing then and did not
+        fire again since (one quiet step of a statistical rule is not a fix)."""
         for pool, (requested_step, alert) in list(self._watching.items()):
             state = self._active.get((alert, pool))
             firing = state is not None and state.firing and state.clear_since is None
-            if firing and step - requested_step < self.resync_policy.watch_steps:
+            watched = step - requested_step < self.resync_policy.watch_steps
+            if watched and (firing or not self._held(alert)):
                 continue
-            outcome = ResyncOutcome(pool, alert, requested_step, step, helped=not firing)
+            refired = pool in self._refired
+            self._refired.discard(pool)
+            outcome = ResyncOutcome(pool, alert, requested_step, step, helped=not firing and not refired)
             self._outcomes.append(outcome)
             del self._watching[pool]
             if not outcome.helped:
                 self._ineffective[pool] = outcome
+
+    def _held(self, alert: str) -> bool:
+        return any(r.name == alert and r.keep_firing_steps for r in self.rules)
 
     def resync_outcomes(self) -> list[ResyncOutcome]:
         """Every decided resync request, in order (benchmarks report whether each helped)."""

@@ -2,8 +2,8 @@
 
 A resync fixes policy lag (stale or unapplied weights); it cannot fix a numeric discrepancy (a
 precision, a kernel, an LM head). The evaluator watches each request: if the alert that asked
-has not resolved ``watch_steps`` steps later, the fault looks numeric and no resync is asked for
-that pool again; its later firings say so and name the fix that applies instead. A request whose
+is firing ``watch_steps`` steps later, or resolved and fired again within them, the fault looks
+numeric and no resync is asked for that pool again; its later firings say so and name the fix that applies instead. A request whose
 alert's condition cleared but came back while the alert was still held firing (a rule with
 ``keep_firing_steps``: the pool fell behind again within steps of its resync) helped but did not
 hold: it is lag again, so the same firing asks for one more resync (``repeat_requests``), and says
@@ -22,7 +22,7 @@ class ResyncPolicy:
     """When a firing resync alert asks for a resync: at most once per pool and step, not while
     an earlier request for the pool is still watched, and not again within ``cooldown_steps``
     steps of the previous request for that pool. A request whose
-    alert has not resolved ``watch_steps`` steps later did not help: the fault looks numeric, not
+    alert is firing ``watch_steps`` steps later, or fired again within them, did not help: the fault looks numeric, not
     lag, and no resync is asked for that pool again (its later firings say so and which fix
     applies instead). ``watch_steps=0`` keeps asking."""
 
@@ -38,8 +38,9 @@ class ResyncPolicy:
 
 @dataclass(frozen=True)
 class ResyncOutcome:
-    """A resync request and what followed: ``helped`` when its alert's condition cleared within
-    the policy's ``watch_steps`` (``checked_step``: the step that decided); ``relapsed_step``: the
+    """A resync request and what followed: ``helped`` when its alert was quiet at the end of the
+    policy's ``watch_steps`` and did not fire again before (a rule held by ``keep_firing_steps``:
+    when its condition first cleared; ``checked_step``: the step that decided); ``relapsed_step``: the
     step the condition came back while the alert was still held firing (the resync did not hold)."""
 
     pool: str | None
