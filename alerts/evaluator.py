@@ -37,6 +37,12 @@ from .resync import NUMERIC_NOTE, RELAPSE_NOTE, ResyncOutcome, ResyncPolicy
 from .rules import AlertRule, Fix, Severity, check_rules
 from .steps import _snapshot, iter_steps
 
+# a resync whose pool's k3 falls below this share of its value at the request, at the next step,
+# had an effect (the pool ran stale or wrong weights) even if its alert came back: a step's k3
+# wobbles by about a factor e^0.5 on a clean pool, so a fourfold fall is not one step's noise
+EFFECT_METRIC = "mismatch/k3_kl"
+RESYNC_EFFECT = 0.25
+
 # pools are named by their label text (report_keys.py), as the exporter labels their series, so
 # an event's pool is the pool label Prometheus shows; rows logged without a pool are "%null"
 UNKNOWN_POOL = NULL_TEXT
@@ -98,6 +104,8 @@ class AlertEvaluator:
         self._history = TrailingValues(windows)
         self._keys = {scope: sorted({k for r in rules if r.scope == scope for k in r.condition.metrics})
                       for scope in ("pool", "fleet")}
+        if any(r.resync for r in rules) and EFFECT_METRIC not in self._keys["pool"]:   # what a resync did
+            self._keys["pool"] = sorted(self._keys["pool"] + [EFFECT_METRIC])
         # metrics whose per-pool expected levels / declared bounds the pool rules read
         self._levels, self._bounds = (tuple(sorted({k for r in rules if r.scope == "pool"
                                                     for k in getattr(r.condition, attr, ())}))
@@ -110,7 +118,8 @@ class AlertEvaluator:
         self._watching: dict[str | None, tuple[int, str]] = {}     # pool -> (request step, alert)
         self._outcomes: list[ResyncOutcome] = []
         self._ineffective: dict[str | None, ResyncOutcome] = {}
-        self._refired: set[str | None] = set()   # pools whose watched alert fired again during the watch
+        self._refired: dict[str | None, int] = {}   # pool -> the step its watched alert fired again
+        self._effect: dict[str | None, list[float]] = {}   # pool -> [k3 at the request, k3 at the next step]
         self._relapsed: dict[str | None, ResyncOutcome] = {}   # pool -> the last resync that did not hold
         self._repeats: list[AlertEvent] = []   # the last step's resyncs asked by held alerts (a relapse)
         self._last_step: int | None = None
@@ -165,7 +174,7 @@ class AlertEvaluator:
                 if not state.firing and step - state.since >= rule.for_steps:
                     state.firing = True
                     if self._watching.get(pool, (None, None))[1] == rule.name:
-                        self._refired.add(pool)     # fired again while its resync is watched
+                        self._refired.setdefault(pool, step)     # fired again while its resync is watched
                     resync = rule.resync and self._may_resync(rule, pool, step, requested)
                     events.append(self._event(rule, pool, "firing", step, wall_time, state, resync, note=True))
             for (name, pool) in [k for k in self._active if k[0] == rule.name and k[1] not in holding]:
@@ -232,6 +241,7 @@ class AlertEvaluator:
         self._last_resync[pool] = step
         if self.resync_policy.watch_steps:
             self._watching[pool] = (step, rule.name)
+            self._effect[pool] = [self._values.get(pool, {}).get(EFFECT_METRIC, math.nan), math.nan]
         return True
 
     def _relapse(self, rule: AlertRule, pool: str | None, step: int, state: _Active) -> bool:
@@ -259,14 +269,22 @@ class AlertEvaluator:
         any other at the end of the watch: helped when its alert is not firing then and did not
         fire again since (one quiet step of a statistical rule is not a fix)."""
         for pool, (requested_step, alert) in list(self._watching.items()):
+            effect = self._effect.setdefault(pool, [math.nan, math.nan])
+            if step > requested_step and math.isnan(effect[1]):
+                effect[1] = self._values.get(pool, {}).get(EFFECT_METRIC, math.nan)
             state = self._active.get((alert, pool))
             firing = state is not None and state.firing and state.clear_since is None
             watched = step - requested_step < self.resync_policy.watch_steps
             if watched and (firing or not self._held(alert)):
                 continue
-            refired = pool in self._refired
-            self._refired.discard(pool)
-            outcome = ResyncOutcome(pool, alert, requested_step, step, helped=not firing and not refired)
+            refired = self._refired.pop(pool, None)
+            helped, relapsed = not firing and refired is None, None
+            if not helped and not self._held(alert) and effect[1] < RESYNC_EFFECT * effect[0]:
+                # the pool's k3 fell fourfold at the step after the resync: it fixed the pool, and
+                # the fault came back (weights that go wrong again at each sync), not a numeric one
+                helped, relapsed = True, refired if refired is not None else step
+            del self._effect[pool]
+            outcome = ResyncOutcome(pool, alert, requested_step, step, helped=helped, relapsed_step=relapsed)
             self._outcomes.append(outcome)
             del self._watching[pool]
             if not outcome.helped:

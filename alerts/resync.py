@@ -2,8 +2,10 @@
 
 A resync fixes policy lag (stale or unapplied weights); it cannot fix a numeric discrepancy (a
 precision, a kernel, an LM head). The evaluator watches each request: if the alert that asked
-is firing ``watch_steps`` steps later, or resolved and fired again within them, the fault looks
-numeric and no resync is asked for that pool again; its later firings say so and name the fix that applies instead. A request whose
+is firing ``watch_steps`` steps later, or resolved and fired again within them, and the pool's
+k3 did not fall fourfold at the step after the resync, the fault looks numeric and no resync is
+asked for that pool again (a fourfold fall is an effect: the resync fixed the pool and its fault
+came back); its later firings say so and name the fix that applies instead. A request whose
 alert's condition cleared but came back while the alert was still held firing (a rule with
 ``keep_firing_steps``: the pool fell behind again within steps of its resync) helped but did not
 hold: it is lag again, so the same firing asks for one more resync (``repeat_requests``), and says

@@ -49,3 +49,19 @@ def test_an_alert_that_fires_again_within_the_watch_was_not_helped():
     evaluator, events = AlertEvaluator.replay(history({"fp8": flapping}), rules=(LOW_ESS,))
     assert firings(events, "fp8") == [(6, True, False), (9, False, False), (31, False, True)]
     assert [(o.requested_step, o.checked_step, o.helped) for o in evaluator.resync_outcomes()] == [(6, 9, False)]
+
+
+def test_a_resync_that_fixed_the_pool_before_its_fault_came_back_helped():
+    """The same flapping alert, but the pool's k3 fell 50-fold at the step after the resync (its
+    weights were wrong and the resync loaded the right ones; the next sync spoiled them again):
+    the resync had an effect, so the pool is not called numeric and is resynced again later. With
+    k3 unchanged by the resync, the same firings are judged no effect."""
+    flapping = {5, 6} | set(range(8, 14)) | set(range(30, 33))
+    fixed = history({"fp8": flapping}).assign(**{"mismatch/k3_kl": lambda d: np.where(d["step"] == 7, 1e-3, 5e-2)})
+    evaluator, events = AlertEvaluator.replay(fixed, rules=(LOW_ESS,))
+    assert firings(events, "fp8") == [(6, True, False), (9, False, False), (31, True, False)]
+    assert [(o.requested_step, o.checked_step, o.helped, o.relapsed_step)
+            for o in evaluator.resync_outcomes()][0] == (6, 9, True, 9)
+    unchanged = fixed.assign(**{"mismatch/k3_kl": 5e-2})
+    evaluator, events = AlertEvaluator.replay(unchanged, rules=(LOW_ESS,))
+    assert firings(events, "fp8") == [(6, True, False), (9, False, False), (31, False, True)]
