@@ -13,11 +13,14 @@ Binomial(n, 0.01) through the Poisson bound (:mod:`.significance`; it errs on th
 A pool too small for ``b`` to pass (about 25 tokens and fewer) is "not enough tokens". Where the
 pool has no level (no metadata, or no row for its precision and engine), the gate says nothing.
 
-The value is the step's p90 as a multiple of the expected p99.
+The value is the step's p90 as a multiple of the expected p99. A firing alert stays firing while
+that value is observed and not below ``sqrt(factor)`` (hysteresis, as ``MismatchStepJump``'s):
+a pool that stays broken and dips under ``factor`` for a step is one firing, not several.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,7 +84,8 @@ class AboveExpected:
     def explain(self) -> str:
         return (f"`{self.quantile}` > {self.factor:g} x the pool's expected healthy `{self.edge}` "
                 f"(`expected_levels.csv` by precision and engine; no history needed), with the tokens above "
-                f"that edge significant against Binomial(n, {self.healthy_share:g}) (Poisson z > {self.z:g})")
+                f"that edge significant against Binomial(n, {self.healthy_share:g}) (Poisson z > {self.z:g}); "
+                f"clears below {math.sqrt(self.factor):.3g} x")
 
     def _above(self, n):
         tenths = round(self.quantile_level * 10)
@@ -96,7 +100,8 @@ class AboveExpected:
         above = self._above_promql(n)
         lam = f"{n} * {number(self.healthy_share)}"
         return Expression(f"{x} / {level} > {number(self.factor)} "
-                          f"and {poisson_z_promql(above, lam)} > {number(self.z)}")
+                          f"and {poisson_z_promql(above, lam)} > {number(self.z)}",
+                          statistic=f"{x} / {level}", clear=f"{x} / {level} < {number(math.sqrt(self.factor))}")
 
     def _parts(self, now: Snapshot) -> tuple[np.ndarray, np.ndarray]:
         x, n, level = now.get(self.quantile), now.get(self.total), now.get(level_key(self.edge))
@@ -107,6 +112,13 @@ class AboveExpected:
         ratio, z = self._parts(now)
         with np.errstate(all="ignore"):
             return np.where((ratio > self.factor) & (z > self.z), ratio, np.nan)
+
+    def statistic(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        return self._parts(now)[0]
+
+    def clears(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            return self.statistic(now, past, scope, step) < math.sqrt(self.factor)
 
     def undecided(self, now: Snapshot, past: Past, scope: Scope, step: int) -> np.ndarray:
         """Observed pools with a level whose size could not make the token test pass."""

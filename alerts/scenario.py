@@ -65,6 +65,9 @@ INCIDENTS: tuple[Incident, ...] = (
     Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p90", 1.0, range(0, 2)),
     Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p99", 1.2, range(0, 2)),
     Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p999", 1.5, range(0, 2)),
+    # ... a step whose p90 dips under 5x the expected p99 (0.134) but not under sqrt(5)x: still firing
+    Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p90", 0.45, range(2, 3)),
+    Incident("MismatchAboveExpected", "bf16", "mismatch/abs_log_ratio/p99", 0.6, range(2, 3)),
     # a weight sync that fails at step 2: k3 jumps 20x from the first steps, before any baseline
     Incident("MismatchStepJump", "fp8", "mismatch/k3_kl", 1.2e-2, range(2, 6)),
     # ... carried by the whole distribution: p90 above the p99 of the steps before

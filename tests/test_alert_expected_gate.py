@@ -47,6 +47,13 @@ def test_a_pool_broken_from_step_0_fires_at_step_0_without_history():
     assert firings(history({"bf16": [4.0] * 4}, {"bf16": 400.0})) == []
 
 
+def test_a_pool_that_stays_broken_and_dips_under_the_factor_is_one_firing():
+    """Hysteresis: firing until the p90 is under sqrt(5) = 2.24 times the expected p99."""
+    dips = [8.0, 4.0, 8.0, 3.0, 6.0, 2.5, 1.0, 1.0, 8.0]
+    _, events = AlertEvaluator.replay(history({"bf16": dips}, {"bf16": 400.0}), rules=(ABOVE_EXPECTED,), pools=POOLS)
+    assert [(e.step, e.state) for e in events] == [(0, "firing"), (6, "resolved"), (8, "firing")]
+
+
 def test_a_small_pool_is_not_enough_tokens():
     # 20 tokens: a p90 above the edge puts 3 tokens there against 0.2 expected, z 2.9 < 3.09
     frame = history({"bf16": [8.0, 8.0], "fp8": [8.0, 8.0]}, {"bf16": 20.0, "fp8": 400.0})
