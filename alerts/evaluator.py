@@ -82,6 +82,18 @@ class _Active:
     clear_since: int | None = None    # held firing (keep_firing_steps) since this step, its condition clear
 
 
+@dataclass
+class _Watch:
+    """A resync request being watched: its step, the alert that asked, the pool's k3 then and at
+    the next observed step, and the step the alert fired again within the watch (if it did)."""
+
+    step: int
+    alert: str
+    before: float
+    after: float = math.nan
+    refired: int | None = None
+
+
 class AlertEvaluator:
     def __init__(self, rules: tuple[AlertRule, ...] = DEFAULT_RULES, *,
                  resync_policy: ResyncPolicy = ResyncPolicy(),
@@ -115,11 +127,10 @@ class AlertEvaluator:
         self._undecided_counts: dict[tuple[str, str | None], int] = {}
         self._undecided_now: list[tuple[str, str | None]] = []
         self._last_resync: dict[str | None, int] = {}
-        self._watching: dict[str | None, tuple[int, str]] = {}     # pool -> (request step, alert)
+        self._watching: dict[str | None, _Watch] = {}     # pool -> its watched resync request
+        self._held = frozenset(r.name for r in rules if r.keep_firing_steps)
         self._outcomes: list[ResyncOutcome] = []
         self._ineffective: dict[str | None, ResyncOutcome] = {}
-        self._refired: dict[str | None, int] = {}   # pool -> the step its watched alert fired again
-        self._effect: dict[str | None, list[float]] = {}   # pool -> [k3 at the request, k3 at the next step]
         self._relapsed: dict[str | None, ResyncOutcome] = {}   # pool -> the last resync that did not hold
         self._repeats: list[AlertEvent] = []   # the last step's resyncs asked by held alerts (a relapse)
         self._last_step: int | None = None
@@ -173,8 +184,9 @@ class AlertEvaluator:
                 state.value = value
                 if not state.firing and step - state.since >= rule.for_steps:
                     state.firing = True
-                    if self._watching.get(pool, (None, None))[1] == rule.name:
-                        self._refired.setdefault(pool, step)     # fired again while its resync is watched
+                    watch = self._watching.get(pool)
+                    if watch is not None and watch.alert == rule.name and watch.refired is None:
+                        watch.refired = step     # fired again while its resync is watched
                     resync = rule.resync and self._may_resync(rule, pool, step, requested)
                     events.append(self._event(rule, pool, "firing", step, wall_time, state, resync, note=True))
             for (name, pool) in [k for k in self._active if k[0] == rule.name and k[1] not in holding]:
@@ -240,8 +252,7 @@ class AlertEvaluator:
         requested.add(pool)
         self._last_resync[pool] = step
         if self.resync_policy.watch_steps:
-            self._watching[pool] = (step, rule.name)
-            self._effect[pool] = [self._values.get(pool, {}).get(EFFECT_METRIC, math.nan), math.nan]
+            self._watching[pool] = _Watch(step, rule.name, self._values.get(pool, {}).get(EFFECT_METRIC, math.nan))
         return True
 
     def _relapse(self, rule: AlertRule, pool: str | None, step: int, state: _Active) -> bool:
@@ -268,30 +279,24 @@ class AlertEvaluator:
         staleness) is helped at the first step its condition clears (a relapse is then lag again);
         any other at the end of the watch: helped when its alert is not firing then and did not
         fire again since (one quiet step of a statistical rule is not a fix)."""
-        for pool, (requested_step, alert) in list(self._watching.items()):
-            effect = self._effect.setdefault(pool, [math.nan, math.nan])
-            if step > requested_step and math.isnan(effect[1]):
-                effect[1] = self._values.get(pool, {}).get(EFFECT_METRIC, math.nan)
-            state = self._active.get((alert, pool))
+        for pool, watch in list(self._watching.items()):
+            if step > watch.step and math.isnan(watch.after):
+                watch.after = self._values.get(pool, {}).get(EFFECT_METRIC, math.nan)
+            state = self._active.get((watch.alert, pool))
             firing = state is not None and state.firing and state.clear_since is None
-            watched = step - requested_step < self.resync_policy.watch_steps
-            if watched and (firing or not self._held(alert)):
+            held = watch.alert in self._held
+            if step - watch.step < self.resync_policy.watch_steps and (firing or not held):
                 continue
-            refired = self._refired.pop(pool, None)
-            helped, relapsed = not firing and refired is None, None
-            if not helped and not self._held(alert) and effect[1] < RESYNC_EFFECT * effect[0]:
+            helped, relapsed = not firing and watch.refired is None, None
+            if not helped and not held and watch.after < RESYNC_EFFECT * watch.before:
                 # the pool's k3 fell fourfold at the step after the resync: it fixed the pool, and
                 # the fault came back (weights that go wrong again at each sync), not a numeric one
-                helped, relapsed = True, refired if refired is not None else step
-            del self._effect[pool]
-            outcome = ResyncOutcome(pool, alert, requested_step, step, helped=helped, relapsed_step=relapsed)
+                helped, relapsed = True, watch.refired if watch.refired is not None else step
+            outcome = ResyncOutcome(pool, watch.alert, watch.step, step, helped=helped, relapsed_step=relapsed)
             self._outcomes.append(outcome)
             del self._watching[pool]
             if not outcome.helped:
                 self._ineffective[pool] = outcome
-
-    def _held(self, alert: str) -> bool:
-        return any(r.name == alert and r.keep_firing_steps for r in self.rules)
 
     def resync_outcomes(self) -> list[ResyncOutcome]:
         """Every decided resync request, in order (benchmarks report whether each helped)."""

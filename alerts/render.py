@@ -156,7 +156,7 @@ def markdown_table(rules: tuple[AlertRule, ...] = DEFAULT_RULES) -> str:
         scope = "per pool" if r.scope == "pool" else "fleet"
         rows.append(f"| `{r.name}` | {r.severity} | {r.condition.explain()} ({scope}) | "
                     f"{r.for_steps + 1} step{'s' if r.for_steps else ''}"
-                    f"{f'; fires on {r.keep_firing_steps} steps after it clears' if r.keep_firing_steps else ''} | "
+                    f"{f'; stays firing {r.keep_firing_steps} steps after it clears' if r.keep_firing_steps else ''} | "
                     f"{'yes' if r.resync else 'no'} | "
                     f"`{r.fix}` |")
     return "\n".join(rows) + "\n"

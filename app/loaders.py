@@ -110,7 +110,7 @@ def asked_resyncs(alerts: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
     requests = resync_requests(events)
     if len(requests):
         return requests
-    asked = alerts[(alerts["state"] == "firing") & alerts["resync"].fillna(False).astype(bool)]
+    asked = alerts[query.resync_firings(alerts)]
     return asked[["step", "pool", "alert"]].reset_index(drop=True)
 
 

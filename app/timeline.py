@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from mismatch_monitor.query.logs import resync_firings
 from mismatch_monitor.report_keys import label_text
 
 from .axes import YScale, choose
@@ -67,7 +68,7 @@ def alert_timeline(series: pd.DataFrame, events: pd.DataFrame, metric: str, *, m
             text=[f"{a} · {label(p)} · step {s}<br>{t}" for a, p, s, t in
                   zip(part["alert"], part["pool"], part["step"], part["summary"].fillna(""))],
             hovertemplate="%{text}<extra></extra>"))
-    resync = ev[(ev["state"] == "firing") & ev["resync"].fillna(False).astype(bool)] if len(ev) else ev
+    resync = ev[resync_firings(ev)] if len(ev) else ev
     if len(resync):
         xs = resync["bin"] if x == "step" else pd.to_datetime(resync["wall_time"], unit="s", utc=True)
         for xv in xs:
@@ -92,7 +93,7 @@ def events_strip(events: pd.DataFrame, *, x: XAxis = "step", height_per_alert: i
         return fig
     names = sorted(events["alert"].dropna().unique().tolist())
     colors = color_map(group_names(events, "pool"))
-    resync = (events["state"] == "firing") & events["resync"].fillna(False).astype(bool)
+    resync = resync_firings(events)
     for (symbol, _, name), rows, size in ((MARKERS["firing"], events["state"] == "firing", 10),
                                           (MARKERS["resolved"], events["state"] == "resolved", 10),
                                           (RESYNC, resync, 14)):
@@ -151,7 +152,7 @@ def annotate(fig: go.Figure, events: pd.DataFrame, *, x: XAxis = "step", first: 
     styles: list[tuple[pd.Series, str, str, float, str]] = []
     if len(events):
         at = place(events)
-        resync = (events["state"] == "firing") & events["resync"].fillna(False).astype(bool)
+        resync = resync_firings(events)
         styles += [(at[(events["state"] == "firing") & ~resync], MARKERS["firing"][1], "solid", 1.0, "full"),
                    (at[events["state"] == "resolved"], MARKERS["resolved"][1], "dot", 1.0, "full"),
                    (at[resync], RESYNC[1], "dash", 1.0, "full")]
@@ -201,7 +202,7 @@ def changes(events: pd.DataFrame, last_step: int, recent: int, resyncs: pd.DataF
     ev = events.sort_values("step", kind="stable")
     firing = ev[ev["state"] == "firing"]
     keys = ["alert", "pool"]
-    agg = firing.assign(_resync=firing["resync"].fillna(False).astype(bool)).groupby(keys, dropna=False).agg(
+    agg = firing.assign(_resync=resync_firings(firing)).groupby(keys, dropna=False).agg(
         first_fired=("step", "min"), episodes=("step", "size"), resyncs=("_resync", "sum"))
     last = ev.groupby(keys, dropna=False).tail(1).rename(columns={"step": "since"})
     last = last[(last["state"] == "firing") | (last["since"] >= last_step - recent + 1)]

@@ -18,7 +18,7 @@ from .core import (aggregate, connect, forget_files, histogram, latest, metric_s
                    rows, run_config, steps_index, table_files, token_cell_table)
 from .core import _retry  # noqa: F401  (compaction documents the retry it relies on)
 from .rollup import aligned_bins
-from .logs import ALERT_COLUMNS, alert_events, collector_errors, error_messages, firing_alerts
+from .logs import ALERT_COLUMNS, alert_events, collector_errors, error_messages, firing_alerts, resync_firings
 from .binned import aggregate_binned, step_width
 from .views import (binned_sums, compare_runs, derive_sums, distinct_values, exemplar_steps, metric_series_binned,
                     metric_totals)
@@ -30,4 +30,4 @@ __all__ = ["connect", "forget_files", "table_files", "run_config", "steps_index"
            "step_width", "aligned_bins", "aggregate_binned", "binned_sums", "derive_sums", "metric_series_binned",
            "metric_totals", "pool_shares",
            "lowprob_series", "routing_layer_series", "crossing_length", "alert_events", "firing_alerts",
-           "exemplar_steps", "compare_runs", "distinct_values", "collector_errors", "error_messages"]
+           "resync_firings", "exemplar_steps", "compare_runs", "distinct_values", "collector_errors", "error_messages"]

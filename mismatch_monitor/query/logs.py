@@ -64,6 +64,12 @@ def error_messages(errors: pd.DataFrame) -> pd.DataFrame:
     return out[["count", "where", "kind", "message", "last_step", "last_wall_time"]]
 
 
+def resync_firings(events: pd.DataFrame) -> pd.Series:
+    """Per alert event: a firing that asked for a resync (its alert's own request; a held firing's
+    later requests are ``resync_request`` events only, ``events.resync_requests``)."""
+    return (events["state"] == "firing") & events["resync"].fillna(False).astype(bool)
+
+
 def firing_alerts(events: pd.DataFrame) -> pd.DataFrame:
     """The alerts whose latest event (per alert and pool) is a firing."""
     if not len(events):

@@ -24,6 +24,14 @@ EVENTS_TABLE = "events"
 OUTCOMES_TABLE = "outcomes"
 EVENT_KINDS: tuple[str, ...] = ("weight_sync", "resume", "resync", "resync_request")
 
+EVENT_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "kind": "string",
+                                 "pool": "string", "version": "Int64", "message": "string"}
+OUTCOME_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "pool": "string",
+                                   "name": "string", "value": "float64"}
+# an outcome is one value per (step, pool, name): the row logged last wins
+OUTCOME_KEY: tuple[str, ...] = ("step", "pool", "name")
+COLUMNS_OF: dict[str, dict[str, str]] = {EVENTS_TABLE: EVENT_COLUMNS, OUTCOMES_TABLE: OUTCOME_COLUMNS}
+
 
 def resync_request_message(alert: str, what: str, step: int, callbacks: int) -> str:
     """A ``resync_request`` event's message: the alert that asked comes first (``requested_by``)."""
@@ -33,13 +41,6 @@ def resync_request_message(alert: str, what: str, step: int, callbacks: int) -> 
 def requested_by(message: object) -> str | None:
     """The alert named by a ``resync_request`` message (its first word); None when there is none."""
     return message.split(" ", 1)[0] if isinstance(message, str) and message.strip() else None
-EVENT_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "kind": "string",
-                                 "pool": "string", "version": "Int64", "message": "string"}
-OUTCOME_COLUMNS: dict[str, str] = {"step": "int64", "wall_time": "float64", "pool": "string",
-                                   "name": "string", "value": "float64"}
-# an outcome is one value per (step, pool, name): the row logged last wins
-OUTCOME_KEY: tuple[str, ...] = ("step", "pool", "name")
-COLUMNS_OF: dict[str, dict[str, str]] = {EVENTS_TABLE: EVENT_COLUMNS, OUTCOMES_TABLE: OUTCOME_COLUMNS}
 
 
 def empty_frame(table: str) -> pd.DataFrame:
