@@ -11,6 +11,9 @@ rule is checked by promtool on the committed scenario, ``test_alert_rules_files.
 
 from __future__ import annotations
 
+import io
+from contextlib import redirect_stdout
+
 import pandas as pd
 import pytest
 import torch
@@ -20,6 +23,7 @@ from mismatch_monitor.alerts import AlertEvaluator
 from mismatch_monitor.app import loaders
 from mismatch_monitor.alerts.definitions import STALENESS_HIGH, SYNC_BEHIND
 from mismatch_monitor.batch import TokenBatch
+from mismatch_monitor.cli import main as cli_main
 from mismatch_monitor.collectors import MismatchCollector
 from mismatch_monitor.exporter import MismatchExporter
 from mismatch_monitor.pool_bounds import POOL_BOUND
@@ -72,6 +76,11 @@ def test_a_pool_named_with_a_slash_is_judged_by_its_own_declaration(tmp_path):
     events = run_events(query.connect(), tmp_path / "run")
     # the resync it asked for is stored under the pool's value, as the pushes are
     assert events.loc[events["kind"] == "resync_request", "pool"].tolist() == ["fp8/ü"]
+    # summary names the firing pool as its alert does, not escaped a second time (fp8%252Fü)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli_main(["summary", str(tmp_path / "run")]) == 0
+    assert f"{SYNC_BEHIND.name} pool=fp8%2Fü since step 3" in out.getvalue()
 
 
 def test_an_evaluator_passed_in_judges_the_pools_the_collector_was_given(tmp_path):

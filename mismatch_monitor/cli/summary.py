@@ -162,5 +162,7 @@ def run(args: argparse.Namespace) -> int:
         firing = latest_state[latest_state["state"] == "firing"]
         print(f"\nalerts firing: {len(firing)}")
         for _, a in firing.iterrows():
-            print(f"  [{a['severity']}] {a['alert']} pool={_pool(a['pool'])} since step {a['step']}: {a['summary']}")
+            # an alert names its pool by label text already (as Prometheus labels it): printed as stored
+            pool = "(fleet)" if pd.isna(a["pool"]) else a["pool"]
+            print(f"  [{a['severity']}] {a['alert']} pool={pool} since step {a['step']}: {a['summary']}")
     return 0
