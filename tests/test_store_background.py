@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -68,7 +69,9 @@ def test_a_failed_background_flush_keeps_its_steps_and_is_reported_once(tmp_path
         reports = [mc.log_step(step, make_batch(step)) for step in range(7)]   # never raises
         assert mc.error_count == 1
         assert "No space left on device" in mc.last_error
-        assert "steps 0-1" in mc.last_error and "written again" in mc.last_error
+        # the failed flush names its steps: 0-1, or 0-2 when step 2 was buffered before the
+        # background flush took the batch (seen on a loaded machine)
+        assert re.search(r"writing steps 0-[12] failed", mc.last_error) and "written again" in mc.last_error
     assert sum("No space left on device" in r.getMessage() for r in caplog.records) == 1
     assert reports[-1]["mismatch/collector_errors"] == 1.0
     con = query.connect()
