@@ -9,7 +9,8 @@ Alerts are evaluated in-process with the project's rules (``mismatch_monitor.ale
 ``alert_evaluator=None``; their events land in the run's ``alerts`` table.
 By default the collector never raises into training over bad *data*: such an error is logged
 once per message, counted, and kept with its text in the run's ``errors`` table (``errors.py``);
-``strict=True`` raises it instead. A mistake in the call itself (a misspelt field, a list where a
+``strict=True`` raises it instead. A programming error (a bug, ``errors.PROGRAMMING_ERRORS``) is
+kept in that table too and raised in every mode. A mistake in the call itself (a misspelt field, a list where a
 tensor belongs) raises at once in every mode (``checks.py``). Callbacks (``on_alert``,
 ``on_resync``) that fail are logged and never break training either (``error_keeping.py``).
 
@@ -43,7 +44,7 @@ from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warni
 from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
 from .distributed import DistributedReducer, distributed_world, launched_world
 from .error_keeping import ErrorKeeping
-from .errors import ErrorLog
+from .errors import ErrorLog, is_programming_error
 from .fingerprints import check_fingerprint_call
 from .run_log import RunLog, check_event_call, check_outcomes_call
 from .versions import event_applied
@@ -187,7 +188,9 @@ class MismatchCollector(ErrorKeeping):
             selected = select_exemplars(batch, self.exemplars_k, self.config, per_sequence)
             # the writer builds the exemplar tables when it flushes; a reducer gathers tables now
             exemplars = selected.frames() if self.reducer is not None else selected
-        except Exception as exc:  # never take training down unless asked to
+        except Exception as exc:  # bad data never takes training down unless asked to; a bug does
+            if self.reducer is None and is_programming_error(exc):
+                self._raise_bug(exc, index, wall)
             if self.strict and self.reducer is None:
                 raise
             local_error = exc
@@ -197,6 +200,8 @@ class MismatchCollector(ErrorKeeping):
                 stats, exemplars = self.reducer(stats, exemplars, step=index, error=local_error)
                 self._note_rejections(wall)
             if local_error is not None:
+                if is_programming_error(local_error):   # raised after the reduction: no rank waits
+                    self._raise_bug(local_error, index, wall)
                 if self.strict:
                     raise local_error
                 what = "a step was not recorded" if index is None else (
@@ -225,8 +230,10 @@ class MismatchCollector(ErrorKeeping):
             out["mismatch/collector_errors"] = float(self.error_count)
             return out
         except Exception as exc:
-            if self.strict:
+            if self.strict or exc is local_error:
                 raise
+            if is_programming_error(exc):
+                self._raise_bug(exc, index, wall)
             self._note(f"step {index} was not recorded", exc, index, wall)
             self._append_empty(index, wall)
             return {"mismatch/collector_errors": float(self.error_count)}

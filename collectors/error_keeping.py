@@ -9,7 +9,9 @@ store's flushes) reports through them, so a failure is recorded the same way whe
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
+
+from .errors import RAISED
 
 if TYPE_CHECKING:
     from ..store import RunWriter
@@ -86,6 +88,13 @@ class ErrorKeeping:
                 self.writer.append_step(step, None, wall_time=wall, collector_errors=self.errors.count)
             except Exception as inner:  # the store itself failed: say so once, keep training
                 self._note("the run store failed", inner, step, wall)
+
+    def _raise_bug(self, exc: BaseException, step: int | None, wall: float) -> NoReturn:
+        """A programming error (``errors.is_programming_error``): kept in the run, then raised in
+        every mode (the never-raise default is for bad data, not for a bug)."""
+        what = "a step" if step is None else f"step {step}"
+        self._store_errors([self.errors.note(f"{what}: {RAISED}", exc, step=step, wall_time=wall, raised=True)])
+        raise exc
 
     def _note(self, what: str, exc: BaseException, step: int | None, wall: float) -> None:
         """Count, log (once per message) and store one error."""
