@@ -57,7 +57,7 @@ if layout.page_header("Pools", view, "Each sampler pool against the others: its 
             st.dataframe(tables.pool_shares(table), hide_index=True, width="stretch")
         st.subheader("Pool metadata (run.json)")
         if len(meta):
-            st.dataframe(meta, width="stretch")
+            st.dataframe(tables.styled(meta.rename_axis("pool").reset_index()), hide_index=True, width="stretch")
         else:
             layout.empty("The collector was given no pool metadata (`pools={...}`).")
         st.subheader("Metrics per pool over steps")

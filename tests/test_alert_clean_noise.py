@@ -98,11 +98,14 @@ def test_the_clean_sample_run_raises_no_alert():
     history, fleet = query.metric_series(con, run, ["pool"]), query.metric_series(con, run)
     _, events = AlertEvaluator.replay(history, fleet_history=fleet, steps=query.steps_index(con, run)["step"])
     assert [(e.step, e.alert, e.pool) for e in events if e.state == "firing"] == []
-    # the old ratio-to-median outlier rule fired here (int4, ~80 tokens a step, a heavy-tailed
-    # excursion over steps 30-31); its sample-size-aware replacement does not
+    # the old ratio-to-median outlier rule fired here (fp8, one token with log ratio -2.2 among the
+    # 168 of step 53 lifts its k3 twelvefold); its sample-size-aware replacement does not
     old = replace(POOL_OUTLIER, description="old rule", condition=OutlierAmongPools(
         K3, factor=4.0, min_pools=3, floor=1e-4, window_steps=50, min_points=10))
-    assert fired(history, old) == [30]
+    _, events = AlertEvaluator.replay(history, rules=(old,))
+    assert [(e.step, e.pool) for e in events if e.state == "firing"] == [(54, "fp8")]
+    fp8 = history[history["pool"] == "fp8"].set_index("step")
+    assert fp8.loc[53, LR_MIN] < -2 and fp8.loc[53, K3] > 10 * fp8.loc[[50, 51, 52, 54], K3].max()
     assert fired(history, POOL_OUTLIER) == []
 
 
@@ -133,15 +136,15 @@ def test_a_firing_says_how_many_times_its_pools_expected_level_the_value_is():
     con = query.connect()
     history = query.metric_series(con, run, ["pool"])
     pools = json.loads((run / "run.json").read_text())["pools"]
-    _, events = AlertEvaluator.replay(history, pools=pools, rules=(STEP_JUMP,))
-    jump = next(e for e in events if e.state == "firing" and e.pool == "fp8")
-    k3 = float(history.loc[(history["step"] == jump.step) & (history["pool"] == "fp8"), K3].iloc[0])
+    _, events = AlertEvaluator.replay(history, pools=pools, rules=(KL_SPIKE,))
+    spike = next(e for e in events if e.state == "firing" and e.pool == "fp8")
+    k3 = float(history.loc[(history["step"] == spike.step) & (history["pool"] == "fp8"), K3].iloc[0])
     level = expected_level(K3, pools["fp8"]["precision"], pools["fp8"]["engine"])
-    assert jump.summary.endswith(f"(k3_kl {k3 / level.healthy:.3g}x its expected healthy level for "
+    assert spike.summary.endswith(f"(k3_kl {k3 / level.healthy:.3g}x its expected healthy level for "
                                  f"{level.precision} on {level.engine})")
     # no metadata, or no row for the pool's kind: nothing is said (never a guessed level)
-    _, plain = AlertEvaluator.replay(history, rules=(STEP_JUMP,))
+    _, plain = AlertEvaluator.replay(history, rules=(KL_SPIKE,))
     assert "expected" not in next(e for e in plain if e.state == "firing" and e.pool == "fp8").summary
-    _, unknown = AlertEvaluator.replay(history, rules=(STEP_JUMP,),
+    _, unknown = AlertEvaluator.replay(history, rules=(KL_SPIKE,),
                                        pools={"fp8": {"precision": "fp8", "engine": "sglang"}})
     assert "expected" not in next(e for e in unknown if e.state == "firing" and e.pool == "fp8").summary

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -230,9 +232,22 @@ def test_lowprob_page_draws_each_pools_sharpness_contrast_as_the_reference_has_i
     assert checked > 0            # some step has a non-zero contrast to compare
 
 
-def test_lowprob_page_says_a_run_written_before_the_sharpness_fields_has_no_contrast(monkeypatch) -> None:
+SHARPNESS_FIELDS = ("n_top_p", "sum_dev_top_p", "sum_rho2_top_p", "n_low_p", "sum_dev_low_p", "sum_rho2_low_p")
+
+
+def test_lowprob_page_says_a_run_written_before_the_sharpness_fields_has_no_contrast(monkeypatch, tmp_path) -> None:
     run = "stable_fleet"
     if run not in SAMPLE_RUNS:
         pytest.skip(f"the sample run {run} is not in sample_data/")
-    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["lowprob"], run)
+    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["lowprob"], run)        # written with them: a contrast
+    assert not any("before the sharpness fields" in i.value for i in at.info)
+    assert any(c.proto.id.endswith("-lowprob_sharpness") for c in charts(at))
+    # the same run as an older version wrote it: its token tables without the sharpness sums
+    shutil.copytree(SAMPLE_DATA / run, tmp_path / run)
+    for part in [*(tmp_path / run / "tokens").glob("*.parquet"), *(tmp_path / run / "rollups" / "tokens").glob("*.parquet")]:
+        table = pq.read_table(part)
+        assert set(SHARPNESS_FIELDS) <= set(table.column_names), part
+        pq.write_table(table.drop_columns(list(SHARPNESS_FIELDS)), part)
+    at = open_page(monkeypatch, tmp_path, PAGE["lowprob"], run)
     assert any("before the sharpness fields" in i.value for i in at.info)
+    assert not any(c.proto.id.endswith("-lowprob_sharpness") for c in charts(at))

@@ -10,13 +10,15 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+import torch
 
 from mismatch_monitor.app import tables
 from mismatch_monitor.app.navigation import PAGES
+from mismatch_monitor.collectors import MismatchCollector
 from test_app_pages import open_page
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
-RUNS = ("vllm_fleet", "stable_fleet")   # no extreme-ratio token at all / pools with none among others
+RUNS = ("vllm_fleet", "stable_fleet")   # real engines, one extreme-ratio token / pools with none among others
 pytestmark = pytest.mark.skipif(not all((SAMPLE_DATA / r).is_dir() for r in RUNS), reason="no sample runs")
 
 
@@ -51,8 +53,15 @@ def test_no_table_shows_none_or_a_raw_column_name(monkeypatch, page) -> None:  #
             assert not [c for c in frame.columns if re.fullmatch(r"[a-z0-9]+(_[a-z0-9]+)+", str(c))], where
 
 
-def test_the_pools_table_of_a_run_without_extreme_tokens(monkeypatch) -> None:  # noqa: ANN001
-    at = open_page(monkeypatch, SAMPLE_DATA, PAGES[1], "vllm_fleet", refresh="off")
+def test_the_pools_table_of_a_run_without_extreme_tokens(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    # a run whose two pools never leave |log ratio| < 0.1: no extreme-ratio token anywhere
+    torch.manual_seed(0)
+    with MismatchCollector(tmp_path / "quiet", pools={"a": {"precision": "bf16"}, "b": {"precision": "fp16"}}) as c:
+        for step in range(3):
+            pi = -torch.rand(4, 16) * 3
+            c.log_step(step, trainer_logprobs=pi, sampler_logprobs=pi + (torch.rand(4, 16) - 0.5) * 0.2,
+                       response_mask=torch.ones(4, 16, dtype=torch.bool), labels={"pool": ["a", "a", "b", "b"]})
+    at = open_page(monkeypatch, tmp_path, PAGES[1], "quiet", refresh="off")
     table = shown(at.dataframe[0])
     assert set(table["share of extreme-ratio tokens"]) == {"no extreme tokens"}
     assert set(table["extreme-ratio tokens"]) == {"0"}                 # a count of zero is 0

@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Iterator
 
 import duckdb
+import numpy as np
 import pytest
 
 from external_tools import find, needs
+from mismatch_monitor import query
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (Python) is not installed")
 from dashboard_server import ARTIFACTS, LAUNCH_ARGS, serve, wait_drawn  # noqa: E402
@@ -106,8 +108,19 @@ POINT = """([el, pool, i]) => {
 }"""
 
 
+def apart(run_dir: Path, pool: str, metric: str = "mismatch/k3_kl") -> int:
+    """The step (in 20-99) at which ``pool``'s point of ``metric`` lies farthest, on the log axis,
+    from every other pool's: a click there cannot land on another pool's point."""
+    wide = query.metric_series(query.connect(), run_dir, ["pool"], metrics=[metric]).pivot(
+        index="step", columns="pool", values=metric).loc[20:99]
+    logs = np.log10(wide.clip(lower=1e-12))
+    gap = logs.drop(columns=pool).sub(logs[pool], axis=0).abs().min(axis=1)
+    return int(gap.idxmax())
+
+
 def test_clicking_a_point_of_the_pools_series_opens_its_step_and_pool(server: str, root: Path) -> None:
-    pool, i = "fp8", 42
+    pool = "fp8"
+    i = apart(root / RUN.name, pool)              # one bin per step: point i is step i
     with sync_api.sync_playwright() as pw:
         b, page = _browser_page(pw)
         page.goto(f"{server}/pools?run={RUN.name}&refresh=off")

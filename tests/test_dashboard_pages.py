@@ -13,6 +13,7 @@ import pytest
 from mismatch_monitor import query
 from mismatch_monitor.app import timeline
 from mismatch_monitor.app.navigation import PAGES
+from mismatch_monitor.query.events import resync_requests, run_events
 from test_app_pages import charts, open_page
 
 SAMPLE_DATA = Path(__file__).resolve().parent.parent / "sample_data"
@@ -22,6 +23,13 @@ PAGE = {p.url_path: p for p in PAGES}
 
 def events_of(run: str) -> pd.DataFrame:
     return query.alert_events(query.connect(), SAMPLE_DATA / run)
+
+
+def marked_steps(run: str) -> set[int]:
+    """The steps an alert line marks: each alert event's, and each resync request's (a held
+    firing asks again each time its pool falls behind after a resync; drawn like a trigger)."""
+    requests = resync_requests(run_events(query.connect(), SAMPLE_DATA / run))
+    return set(events_of(run)["step"].astype(int)) | set(requests["step"].astype(int))
 
 
 def layout_of(at, key: str) -> dict:  # noqa: ANN001
@@ -48,15 +56,18 @@ def test_the_lead_alert_is_the_one_firing_now_then_the_one_resolved_last(rows, l
 
 
 def test_the_alerts_page_opens_on_the_alert_firing_now(monkeypatch) -> None:  # noqa: ANN001
-    ev = events_of("fault_midrun")
+    run = "collapse_no_correction"                  # three alerts firing at the end, three resolved
+    ev = events_of(run)
     firing = query.firing_alerts(ev)
-    assert len(firing) and sorted(ev["alert"].unique())[0] not in set(firing["alert"])   # what the test needs
-    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["alerts"], "fault_midrun")
+    latest = firing.sort_values("step")["alert"].iloc[-1]
+    assert len(firing) > 1 and sorted(ev["alert"].unique())[0] != latest   # what the test needs
+    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["alerts"], run)
     chosen = at.selectbox(key="alerts_alert").value
     assert chosen in set(firing["alert"])
-    assert chosen == firing.sort_values("step")["alert"].iloc[-1]    # of those firing, the latest
-    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["alerts"], "fault_midrun", alerts_alert="MismatchKLSpike")
-    assert at.selectbox(key="alerts_alert").value == "MismatchKLSpike"  # a URL's choice is kept
+    assert chosen == latest                                           # of those firing, the latest
+    other = next(a for a in sorted(ev["alert"].unique()) if a not in set(firing["alert"]))
+    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["alerts"], run, alerts_alert=other)
+    assert at.selectbox(key="alerts_alert").value == other            # a URL's choice is kept
 
 
 def lines(layout: dict) -> list[dict]:
@@ -71,7 +82,8 @@ def lines(layout: dict) -> list[dict]:
 
 
 def test_corrections_charts_carry_the_alert_and_resync_lines(monkeypatch) -> None:  # noqa: ANN001
-    steps = set(events_of("fault_midrun")["step"].astype(int))
+    steps = marked_steps("fault_midrun")
+    assert len(steps) > 2                           # the firing at 60 and the requests after it
     at = open_page(monkeypatch, SAMPLE_DATA, PAGE["corrections"], "fault_midrun")
     drawn = lines(layout_of(at, "corrections_series"))
     assert drawn and {int(s["x0"]) for s in drawn} <= steps     # runs of 120 steps: one bin per step
@@ -79,12 +91,16 @@ def test_corrections_charts_carry_the_alert_and_resync_lines(monkeypatch) -> Non
 
 
 def test_compare_lines_carry_both_runs_alert_lines(monkeypatch) -> None:  # noqa: ANN001
-    a, b = events_of("fault_midrun"), events_of("stable_fleet")
-    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["compare"], "fault_midrun", cmp_run="stable_fleet")
+    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["compare"], "fault_midrun", cmp_run="collapse_no_correction")
     drawn = lines(layout_of(at, "cmp_lines"))
     full = {int(s["x0"]) for s in drawn if s["opacity"] > 0.5}
     faint = {int(s["x0"]) for s in drawn if s["opacity"] < 0.5}
-    assert full == set(a["step"].astype(int)) and faint == set(b["step"].astype(int))
+    assert full == marked_steps("fault_midrun") and faint == marked_steps("collapse_no_correction")
+    # the clean run raised nothing: compared with it, no faint line
+    at = open_page(monkeypatch, SAMPLE_DATA, PAGE["compare"], "fault_midrun", cmp_run="stable_fleet")
+    drawn = lines(layout_of(at, "cmp_lines"))
+    assert marked_steps("stable_fleet") == set() and {int(s["x0"]) for s in drawn} == marked_steps("fault_midrun")
+    assert all(s["opacity"] > 0.5 for s in drawn)
 
 
 def test_the_pools_share_table_shows_readable_column_names(monkeypatch) -> None:  # noqa: ANN001

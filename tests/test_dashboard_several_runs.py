@@ -138,8 +138,10 @@ def stored_marks(run_dir: Path) -> dict[tuple[str, str], set[float]]:
     started = json.loads((run_dir / "run.json").read_text())["started_at"]
     out = {}
     for style, parts in STYLES.items():
-        out[style] = {round(t - started, 6) for table, where in parts for (t,) in duckdb.sql(
-            f"select wall_time from read_parquet('{run_dir / table / '*.parquet'}') where {where}").fetchall()}
+        # a run in which no alert fired (the clean one) has no alerts table: no alert marks
+        out[style] = {round(t - started, 6) for table, where in parts if any((run_dir / table).glob("*.parquet"))
+                      for (t,) in duckdb.sql(f"select wall_time from read_parquet('{run_dir / table / '*.parquet'}') "
+                                             f"where {where}").fetchall()}
     return {k: v for k, v in out.items() if v}
 
 

@@ -3,12 +3,17 @@ pool's precision and engine; a pool without a row, or without metadata, has no s
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client import generate_latest
 
 from mismatch_monitor.expected_levels import LEVEL_METRICS, expected_level
 from mismatch_monitor.expected_series import EXPECTED_LEVEL
 from mismatch_monitor.exporter import MismatchExporter
+
+CSV = Path(__file__).resolve().parent.parent / "mismatch_monitor" / "expected_levels.csv"
 
 
 def served(exporter: MismatchExporter) -> dict[tuple[str, str], tuple[float, str, str]]:
@@ -35,7 +40,9 @@ def test_levels_follow_the_pools_metadata():
             if level is not None:
                 want[(pool, key.removeprefix("mismatch/"))] = (level.healthy, level.precision, level.engine)
     assert got == want
-    assert got[("int4", "k3_kl")] == (0.04513, "int4", "transformers")      # the CSV's row, as written
+    with CSV.open() as f:                                                 # the CSV's row, as written
+        (row,) = [r for r in csv.DictReader(f) if r["metric"] == "mismatch/k3_kl" and r["precision"] == "int4"]
+    assert got[("int4", "k3_kl")] == (float(row["healthy"]), "int4", "transformers")
     assert ("fp8", "k3_kl") in got and not any(p in ("tpu", "bare") for p, _ in got)
     exporter.set_pools({})
     assert served(exporter) == {}

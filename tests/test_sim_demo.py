@@ -21,6 +21,7 @@ import pytest
 
 from mismatch_monitor import query
 from mismatch_monitor.cli import main
+from mismatch_monitor.query.events import resync_requests, run_events
 from mismatch_monitor.sim import scenario
 from mismatch_monitor.store import read_run_info
 
@@ -112,11 +113,15 @@ def test_committed_sample_runs_open_and_show_what_their_notes_say():
         info = read_run_info(SAMPLE_DATA / name)
         assert info["metadata"]["simulator"]["scenario"] == name
         assert len(query.steps_index(con, SAMPLE_DATA / name)) == info["metadata"]["simulator"]["steps"]
+    assert query.alert_events(con, SAMPLE_DATA / "stable_fleet").empty                  # the clean run: silent
     events = query.alert_events(con, SAMPLE_DATA / "fault_midrun")
-    resyncs = events[(events["state"] == "firing") & events["resync"].astype(bool)]
-    stale = resyncs[resyncs["alert"] == "MismatchStalenessHigh"]    # the sawtooth of the stopped pool
-    assert (stale["pool"] == "async").all() and stale["step"].min() >= 60 and len(stale) >= 5
-    assert not len(resyncs[(resyncs["pool"] == "async") & (resyncs["step"] < 60)])   # none before the fault
+    firing = events[events["state"] == "firing"]
+    # the stopped pool is named at the step its sync stops, and the firing holds: one alert
+    assert firing[["step", "alert", "pool"]].values.tolist() == [[60, "MismatchSyncBehind", "async"]]
+    requests = resync_requests(run_events(con, SAMPLE_DATA / "fault_midrun"))
+    # the sawtooth: a resync each time the pool falls behind again, none before the fault
+    assert len(requests) >= 5 and (requests["pool"] == "async").all() and requests["step"].min() >= 60
+    assert set(requests["alert"]) == {"MismatchSyncBehind"}
     series = query.metric_series(con, SAMPLE_DATA / "collapse_no_correction", ["pool"],
                                  metrics=["mismatch/k3_kl"])
     fp8 = series[series["pool"] == "fp8"]
