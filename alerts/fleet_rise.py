@@ -6,7 +6,11 @@ the last ``GUARD_STEPS`` (steps while the alert was inactive), with the steps' t
 scatter as its noise (:mod:`.pooled`): ``B = sum n x / N`` and ``s^2 = (sum n x^2 - B sum n x) /
 (c - 1)``. Its rise at a step is ``x / B``; the fleet's rise ``f`` is the median of the rises over
 pools (at least ``min_pools``, each with at least ``min_points`` baseline steps), so a change
-every pool sees (the policy sharpening, a new prompt mix) is the fleet's, not one pool's. A pool
+every pool sees (the policy sharpening, a new prompt mix) is the fleet's, not one pool's. ``f``
+is a rise, never a fall (``max(median, 1)``): a step on which most pools happen to sit below
+their baselines does not shrink the others' expected level and noise (k3 is skewed: on a clean
+dense ``stable_fleet``, seed 0, the median rise is under 1 on 80% of the steps, down to 0.26, and
+a one-prompt pool's ordinary excursion read as 4.95x "the fleet's" rise at step 71). A pool
 is expected at ``E = f B`` with ``se^2 = f^2 s^2 (1/n + 1/N)`` (the noise scales with the level),
 plus ``d_max x / n`` where ``lr_max``/``lr_min`` are given (the step's own per-token variance
 bound of :func:`.pooled.token_term_max`; loose where a pool's tail is heavy, so the default rule
@@ -131,7 +135,7 @@ class RiseAgainstFleet:
             Recording(n["scatter"], f"clamp_min({Q} - {B} * {S}, 0) / ({n['steps']} - 1)"),
             # NaN (0 / 0) is no rise: ``>= 0`` drops it, as the evaluator does
             Recording(n["rise"], f"{x} / {B} >= 0 and {n['steps']} >= {self.min_points}"),
-            Recording(f, f"quantile(0.5, {n['rise']})"),
+            Recording(f, f"clamp_min(quantile(0.5, {n['rise']}), 1)"),   # a rise, never a fall
             Recording(n["count"], f"count({n['rise']})"),
             Recording(n["expected"], f"{B} * on() group_left() {f} and on() {n['count']} >= {self.min_pools}"),
         )
@@ -164,7 +168,7 @@ class RiseAgainstFleet:
             s2 = np.maximum(Q - B * S, 0.0) / (c - 1)
             rise = x / B
             rise = rise[(rise >= 0) & (c >= self.min_points)]
-            f = prom_quantile(0.5, rise) if rise.size >= self.min_pools else np.nan
+            f = max(prom_quantile(0.5, rise), 1.0) if rise.size >= self.min_pools else np.nan
             E = B * f
             var = E / B * (E / B) * s2 * (1 / n + 1 / N)
             if self._extremes:
