@@ -168,6 +168,7 @@ class RiseAgainstFleet:
             s2 = np.maximum(Q - B * S, 0.0) / (c - 1)
             rise = x / B
             rise = rise[(rise >= 0) & (c >= self.min_points)]
+            # max(NaN, 1.0) is NaN, as Go's math.Max under clamp_min: no rise is still no rise
             f = max(prom_quantile(0.5, rise), 1.0) if rise.size >= self.min_pools else np.nan
             E = B * f
             var = E / B * (E / B) * s2 * (1 / n + 1 / N)
