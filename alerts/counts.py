@@ -9,7 +9,7 @@ edge that held at most 0.1% of the baseline's tokens, against Binomial(n, 0.001)
 Each fires only when the rise is both large (``factor``) and significant (Wilson-Hilferty z of
 the Poisson tail above ``z``, see :mod:`.significance`). A pool-step whose size could not make
 a rise by ``factor`` significant is *undecided* ("not enough tokens"): the evaluator counts it
-(:meth:`AlertEvaluator.undecided`), it never fires.
+(:meth:`AlertEvaluator.undecided`, ``coverage.py``); only a rise far above ``factor`` can fire there.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from mismatch_monitor.label_text import label_text
 from mismatch_monitor.report_keys import NULL_TEXT
 from .conditions import Scope, Snapshot
 from .counts import INACTIVE
+from .coverage import Coverage
 from .definitions import DEFAULT_RULES
 from .history import TrailingValues
 from .levels import expected_note, with_bounds, with_levels
@@ -123,9 +124,8 @@ class AlertEvaluator:
                                                     for k in getattr(r.condition, attr, ())}))
                                       for attr in ("levels", "bounds"))
         self._active: dict[tuple[str, str | None], _Active] = {}
-        # pool-steps a rule could not decide ("not enough tokens"): per (rule, pool), and the last step's
-        self._undecided_counts: dict[tuple[str, str | None], int] = {}
-        self._undecided_now: list[tuple[str, str | None]] = []
+        # per (rule, pool): pool-steps observed, without input, undecided ("not enough tokens")
+        self._coverage = Coverage()
         self._last_resync: dict[str | None, int] = {}
         self._watching: dict[str | None, _Watch] = {}     # pool -> its watched resync request
         self._held = frozenset(r.name for r in rules if r.keep_firing_steps)
@@ -166,11 +166,12 @@ class AlertEvaluator:
         events: list[AlertEvent] = []
         requested: set[str | None] = set()
         self._repeats = []
-        self._undecided_now = []
+        self._coverage.start_step()
         for rule in self.rules:
             now = snapshots[rule.scope]
             values = rule.condition.evaluate(now, self._history, rule.scope, step)
-            self._count_undecided(rule, now, step)
+            self._coverage.count(rule, now, self._history, rule.scope, step,
+                                 [_pool(p, rule.scope) for p in now.pools], values)
             holding = {_pool(p, rule.scope): float(v) for p, v in zip(now.pools, values) if not np.isnan(v)}
             holding.update(self._still_firing(rule, now, step, holding))
             for pool, value in holding.items():
@@ -223,25 +224,26 @@ class AlertEvaluator:
                 out[pool] = float(value)
         return out
 
-    def _count_undecided(self, rule: AlertRule, now: Snapshot, step: int) -> None:
-        undecided = getattr(rule.condition, "undecided", None)
-        if undecided is None or not now.pools:
-            return
-        for label, flag in zip(now.pools, undecided(now, self._history, rule.scope, step)):
-            if flag:
-                key = (rule.name, _pool(label, rule.scope))
-                self._undecided_now.append(key)
-                self._undecided_counts[key] = self._undecided_counts.get(key, 0) + 1
-
     def undecided(self) -> list[tuple[str, str | None]]:
         """(alert, pool) pairs the last step could not decide: "not enough tokens" (too small a
-        pool, or too short a baseline, for a rise by the rule's factor to be significant); they
-        never fire, and they are not a healthy verdict either."""
-        return list(self._undecided_now)
+        pool, or too short a baseline, for a rise by the rule's factor to be significant) and the
+        rule did not fire; they are not a healthy verdict either."""
+        return list(self._coverage.undecided_now)
 
     def undecided_counts(self) -> dict[tuple[str, str | None], int]:
         """Per (alert, pool): how many observed steps were undecided, over the evaluator's life."""
-        return dict(self._undecided_counts)
+        return self._coverage.undecided_counts()
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step observed (replayed ones included); None before the first."""
+        return self._last_step
+
+    def coverage(self) -> list[dict[str, Any]]:
+        """Per (alert, pool) seen, over the evaluator's life: observed ``steps``, steps with
+        ``no_input`` (no watched metric, expected level or declared bound) and ``undecided`` ones
+        (``coverage.py``); the rule judged the rest. Pools by label text, None: the fleet."""
+        return self._coverage.rows()
 
     def _may_resync(self, rule: AlertRule, pool: str | None, step: int, requested: set[str | None]) -> bool:
         last = self._last_resync.get(pool)

@@ -20,6 +20,7 @@ from mismatch_monitor.engine.histogram import QUANTILES
 from mismatch_monitor.metrics import METRICS
 from mismatch_monitor.query.events import resync_requests, run_events, run_outcomes
 from mismatch_monitor.store import read_run_info
+from mismatch_monitor.store.alerting import read_alerting
 
 from .routing_cells import with_zero_flips
 
@@ -117,6 +118,7 @@ def asked_resyncs(alerts: pd.DataFrame, events: pd.DataFrame) -> pd.DataFrame:
 def overview(con: Con, run_dir: Path, *, window: int | None, max_points: int) -> Frames:
     out, span = _start(con, run_dir, window, max_points)
     out["events"] = query.alert_events(con, run_dir)
+    out["alerting"] = read_alerting(read_run_info(run_dir))
     out["resyncs"] = asked_resyncs(out["events"], run_events(con, run_dir))
     out["firing"] = query.firing_alerts(out["events"])
     out["errors"] = query.error_messages(query.collector_errors(con, run_dir))
@@ -227,6 +229,7 @@ def alerts(con: Con, run_dir: Path, *, window: int | None, max_points: int,
     out, span = _start(con, run_dir, window, max_points)
     events = query.alert_events(con, run_dir, steps=None if span is None else span.steps)
     out["events"] = events
+    out["alerting"] = read_alerting(read_run_info(run_dir))   # what judged them, what each rule could judge
     out["run_events"] = _in_span(run_events(con, run_dir), span)   # syncs, resumes, resyncs (may be none)
     out["firing"] = query.firing_alerts(events)
     out["resyncs"] = asked_resyncs(events, out["run_events"])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from mismatch_monitor.app import data, layout, loaders, state, tables, timeline
+from mismatch_monitor.app import data, layout, loaders, rule_coverage, state, tables, timeline
+from mismatch_monitor.store.alerting import Alerting, coverage_line, evaluation_note
 
 view = state.current()
 
@@ -27,9 +28,8 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
             return
         ev = d["events"]
         if not len(ev):
-            layout.empty("No alert event in the steps shown. Alerts are evaluated when the collector is "
-                         "given an evaluator (`MismatchCollector(..., alert_evaluator=AlertEvaluator())`) "
-                         "or by Prometheus from `alerts/mismatch_rules.yml`.")
+            layout.empty("No alert event in the steps shown. " + evaluation_note(d["alerting"]))
+            judged_section(d["alerting"])
             return
         firing, resyncs = d["firing"], d["resyncs"]
         cols = st.columns(4)
@@ -58,5 +58,15 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
                              "summary") if c in ev.columns]
         st.dataframe(tables.styled(ev.sort_values("step", ascending=False)[shown], empty={"pool": "(fleet)"}),
                      hide_index=True, width="stretch")
+        judged_section(d["alerting"])
+
+    def judged_section(alerting: Alerting | None) -> None:
+        """Per rule and pool, the steps it could judge: a quiet rule is not a healthy verdict."""
+        if alerting is None or alerting.coverage is None or alerting.coverage.empty:
+            return
+        st.subheader("What the rules could judge")
+        st.caption(coverage_line(alerting) + " Over the whole run, not only the steps shown. A rule cannot "
+                   "fire on a step it did not judge.")
+        st.dataframe(rule_coverage.coverage_grid(alerting), hide_index=True, width="stretch")
 
     layout.live(body, view)

@@ -7,6 +7,7 @@ import streamlit as st
 
 from mismatch_monitor.app import data, figures, layout, loaders, state, tables, timeline
 from mismatch_monitor.app.state import STATUS_MARK
+from mismatch_monitor.store.alerting import evaluation_note, judged_everything
 
 view = state.current()
 
@@ -35,8 +36,11 @@ if layout.page_header("Overview", view, "Is mismatch growing, in which pool, and
         with alerts_col:
             st.subheader("What changed, in which pool, since when")
             changed = timeline.changes(events, span.last, loaders.SPARK_STEPS, d.get("resyncs"))
-            if not len(events):
-                layout.empty("No alert events in this run: no alert evaluator was attached, or nothing has fired.")
+            if not len(events) and judged_everything(d["alerting"]):
+                st.success("No alert events in this run. " + evaluation_note(d["alerting"]),
+                           icon=":material/check_circle:")
+            elif not len(events):
+                layout.empty("No alert events in this run. " + evaluation_note(d["alerting"]))
             elif not len(changed):
                 st.success(f"No alert firing, none resolved in the last {loaders.SPARK_STEPS} steps "
                            f"({len(events)} past event(s): see Alerts and resyncs).", icon=":material/check_circle:")

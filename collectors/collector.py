@@ -41,6 +41,7 @@ from ..store import RunWriter
 from ..store.event_log import resync_request_message
 from ..store.writer import FLUSH_EVERY_SECONDS, FLUSH_EVERY_STEPS, MAX_BUFFERED_STEPS, close_and_log
 from .checks import FIELDS, as_token_batch, check_call, checked_step, data_warnings, with_pool_labels
+from .alerting_record import AlertingRecorder
 from .collaborators import Evaluator, Exporter, Reducer, default_evaluator  # noqa: F401 (re-exported)
 from .distributed import DistributedReducer, distributed_world, launched_world
 from .error_keeping import ErrorKeeping
@@ -102,6 +103,7 @@ class MismatchCollector(ErrorKeeping):
                                     flush_every_seconds=flush_every_seconds, clock=clock, metadata=metadata,
                                     max_buffered_steps=max_buffered_steps, handle_signals=handle_signals)
         self._default_alerts = alert_evaluator == "default"
+        self._alerting = AlertingRecorder(flush_every_seconds)   # run.json's record of what judged the alerts
         # a launcher started several processes but the group is not up yet (accelerate brings it
         # up with the trainer's arguments): decide who writes once it is, at the first step
         if not (reducer == "auto" and distributed_world() == 1 and launched_world() > 1):
@@ -126,6 +128,7 @@ class MismatchCollector(ErrorKeeping):
             self.run_log.attach(self.writer)
             if self._default_alerts:
                 self.alert_evaluator = default_evaluator(self.writer.run_dir)
+            self._record_alerting(None, force=True)
             # flush what is buffered if the process exits without close() (finalize runs at exit)
             self._finalizer = weakref.finalize(self, close_and_log, self.writer)
 
@@ -223,6 +226,7 @@ class MismatchCollector(ErrorKeeping):
                 self.writer.append_step(index, stats, exemplars, wall_time=wall,
                                         collector_errors=self.error_count)
                 self._check_store()
+                self._record_alerting(index)
                 if self.exporter is not None:
                     self.exporter.observe(index, stats)
                 self._dispatch(events, index, repeats)
@@ -311,15 +315,37 @@ class MismatchCollector(ErrorKeeping):
         for fn in self._resync_callbacks:
             self._call(fn, event, "on_resync", step)
 
+    def _record_alerting(self, step: int | None, *, force: bool = False, closing: bool = False) -> None:
+        """Refresh run.json's ``alerting`` record (``alerting_record.py``) when due, or ``force``;
+        ``closing``: only hand it to the writer, whose close writes run.json."""
+        if self.writer is None or self.writer.closed:
+            return
+        now = self._clock()
+        if step is not None:
+            self._alerting.stepped(step)
+        if not (force or closing or self._alerting.due(now)):
+            return
+        try:
+            self._alerting.write(self.writer, self.alert_evaluator, now, to_disk=not closing)
+            self._alerting.failing = False
+        except OSError as exc:   # a failing disk: counted once; the record goes out with the next run.json
+            if self.strict:
+                raise
+            if not self._alerting.failing:
+                self._note("could not record in run.json what evaluated the alerts", exc, step, now)
+            self._alerting.failing = True
+
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:
         """Write every buffered step now (synchronously)."""
         if self.writer is not None:
             self.writer.flush(raise_errors=self.strict)   # a full disk is counted, not raised
             self._check_store()
+            self._record_alerting(None, force=True)
 
     def close(self) -> None:
         if self.writer is not None:
+            self._record_alerting(None, closing=True)
             self.writer.close(raise_errors=self.strict)   # never raises by default
             if self._finalizer is not None:
                 self._finalizer.detach()

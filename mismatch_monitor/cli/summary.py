@@ -16,6 +16,7 @@ from ..query.events import resync_effects, run_events, run_outcomes
 from ..store.event_log import EVENT_KINDS
 from ..label_text import label_text
 from ..store import read_run_info, run_status
+from ..store.alerting import coverage_line, evaluation_note, read_alerting
 
 # (metric key, column title, format): each value in its declaration's format (metrics.format_of)
 POOL_COLUMNS: tuple[tuple[str, str, str], ...] = tuple((key, title, "{:" + format_of(key) + "}") for key, title in (
@@ -157,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(["slice"] + [t for _, t, _ in POOL_COLUMNS[:5]], rows))
 
     alerts = query.rows(con, args.run_dir, "alerts")
+    alerting = read_alerting(info)
     if len(alerts):
         latest_state = alerts.sort_values("step").groupby(["alert", "pool"], dropna=False).tail(1)
         firing = latest_state[latest_state["state"] == "firing"]
@@ -165,4 +167,8 @@ def run(args: argparse.Namespace) -> int:
             # an alert names its pool by label text already (as Prometheus labels it): printed as stored
             pool = "(fleet)" if pd.isna(a["pool"]) else a["pool"]
             print(f"  [{a['severity']}] {a['alert']} pool={pool} since step {a['step']}: {a['summary']}")
+        if alerting is not None and alerting.evaluator is not None:
+            print("alert rules: " + coverage_line(alerting))
+    else:
+        print("\nno alert event. " + evaluation_note(alerting))
     return 0

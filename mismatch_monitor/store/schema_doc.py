@@ -20,7 +20,8 @@ Generated from `mismatch_monitor/engine/fields.py` by
 
 ```
 RUN_DIR/
-  run.json                    run id, start time, metric config, per-pool metadata, restarts
+  run.json                    run id, start time, metric config, per-pool metadata, restarts,
+                              what evaluated the alerts and what each rule could judge (store/alerting.py)
   steps/part-<file_id>.parquet      the step index (written last by every flush)
   <table>/part-<file_id>.parquet    one file per flush (or compaction) per table
   rollups/<table>/part-<file_id>.parquet   that file's rows merged per block of steps (below)

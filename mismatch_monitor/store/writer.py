@@ -40,6 +40,7 @@ import pandas as pd
 
 from ..config import MetricConfig
 from ..engine.stats import MismatchStats
+from .alerting import ALERTING_KEY
 from .atomic import write_json_atomic
 from .event_log import EVENTS_TABLE, OUTCOMES_TABLE, log_frame
 from .faults import Backoff
@@ -116,6 +117,17 @@ class RunWriter:
         with self._lock:
             self.info["pools"] = {**self.info["pools"], **{k: dict(v) for k, v in pools.items()}}
             write_json_atomic(self.info, self.run_dir / RUN_FILE)
+
+    def update_alerting(self, record: Mapping[str, Any], *, write: bool = True) -> None:
+        """run.json's ``alerting`` (``alerting.py``): what evaluated the run's alerts, what each
+        rule could judge. Written now (``write=False``: with the next run.json, as at close); a
+        failing disk raises ``OSError``, and the record is still written with the next run.json."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"run writer for {self.run_dir} is closed")
+            self.info[ALERTING_KEY] = dict(record)
+            if write:
+                write_json_atomic(self.info, self.run_dir / RUN_FILE)
 
     # ------------------------------------------------------------------ appending
     def append_step(self, step: int, stats: MismatchStats | None,
