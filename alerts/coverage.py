@@ -44,6 +44,7 @@ class Coverage:
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str | None], list[int]] = {}   # -> [steps, no_input, undecided]
         self._missing: dict[tuple[str, str | None], str] = {}        # -> the input it lacked last
+        self._inputs: dict[str, tuple[tuple[str, str], ...]] = {}    # rule name -> _inputs(rule), once
         self.undecided_now: list[tuple[str, str | None]] = []
 
     def start_step(self) -> None:
@@ -57,7 +58,8 @@ class Coverage:
             return
         observed = now.get(TOKENS) > 0 if TOKENS in now.values else np.ones(len(now.pools), dtype=bool)
         missing: list[str | None] = [None] * len(now.pools)
-        for key, what in reversed(_inputs(rule)):   # the first input lacking is named
+        inputs = self._inputs.get(rule.name) or self._inputs.setdefault(rule.name, _inputs(rule))
+        for key, what in reversed(inputs):   # the first input lacking is named
             for i in np.flatnonzero(np.isnan(now.get(key))):
                 missing[i] = what
         undecided_of = getattr(rule.condition, "undecided", None)

@@ -56,7 +56,7 @@ if layout.page_header("Alerts and resyncs", view, "When each alert fired and res
         st.subheader("All events (newest first)")
         shown = [c for c in ("step", "alert", "severity", "pool", "state", "value", "threshold", "resync",
                              "summary") if c in ev.columns]
-        st.dataframe(tables.styled(ev.sort_values("step", ascending=False)[shown], empty={"pool": "(fleet)"}),
+        st.dataframe(tables.styled(ev.sort_values("step", ascending=False)[shown], empty={"pool": tables.FLEET}),
                      hide_index=True, width="stretch")
         judged_section(d["alerting"])
 

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from mismatch_monitor.app.tables import NO_POOL
+from mismatch_monitor.app.tables import FLEET, NO_POOL
 from mismatch_monitor.label_text import parse_label_text
 from mismatch_monitor.store.alerting import Alerting
-
-FLEET = "(fleet)"
 
 
 def _pool_name(pool: object) -> str:

@@ -18,6 +18,7 @@ from . import formatting
 
 NO_VALUE = formatting.NO_VALUE
 NO_POOL = "(no pool)"
+FLEET = "(fleet)"      # an alert event or rule row of the whole fleet (pool null)
 
 
 def _percent(v: Any) -> str:
